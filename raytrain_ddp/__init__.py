@@ -1,0 +1,18 @@
+"""raytrain_ddp: distributed data-parallel PyTorch training on Ray.
+
+    from raytrain_ddp import load_config, run
+    summary = run(load_config("digits", overrides=["train.epochs=3"]))
+"""
+
+from raytrain_ddp.config import Config, ConfigError, load_config
+
+__all__ = ["Config", "ConfigError", "RunFailed", "RunSummary", "load_config", "run"]
+
+
+def __getattr__(name: str):
+    # torch, Ray Train and MLflow load on first use, so `--help` and config checks stay fast.
+    if name in ("run", "RunSummary", "RunFailed"):
+        from raytrain_ddp import driver
+
+        return getattr(driver, name)
+    raise AttributeError(name)

@@ -1,0 +1,299 @@
+"""The run configuration: schema, defaults, layering and validation.
+
+Layers, later wins::
+
+    schema defaults  <  jobs/<job>.yaml  <  --config FILE  <  key.sub=value overrides
+
+The result is validated as a whole (every problem reported at once, each naming its key path, where
+the bad value came from, and what is allowed) and frozen. This module is the only place where the
+service's defaults live; a recipe's own defaults live in its function signatures (see `recipe.py`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from raytrain_ddp import recipe as recipes
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; `problems` lists every reason, one line each."""
+
+    def __init__(self, job: str, problems: Sequence[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration for job '{job}' ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainSettings(_Section):
+    """How each worker optimizes."""
+
+    epochs: int = Field(10, ge=1, description="passes over the training set")
+    batch_size: int = Field(64, ge=1, description="rows per step per worker (global batch = batch_size x num_workers)")
+    drop_last: bool = Field(False, description="drop each worker's last incomplete batch of an epoch")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="torch.optim.AdamW or SGD (with momentum)")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled (AdamW) or L2 (SGD) weight decay; 0 turns it off")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (ignored by AdamW)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="per-step schedule over all epochs: constant, or cosine decay to 0"
+    )
+    local_shuffle_buffer_size: int = Field(
+        10_000, ge=0, description="rows in each worker's shuffle buffer, reseeded every epoch; 0 = no shuffle"
+    )
+    eval_batch_size: int = Field(256, ge=1, description="rows per validation batch")
+
+
+class ScalingSettings(_Section):
+    """Ray Train's ScalingConfig."""
+
+    num_workers: int = Field(2, ge=1, description="DDP workers (Ray Train worker actors)")
+    use_gpu: bool = Field(False, description="one GPU per worker, NCCL backend; false = CPU, gloo")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources reserved per worker, e.g. {CPU: 0.5} on a 2-core laptop to leave Ray Data a core",
+    )
+
+    @model_validator(mode="after")
+    def _resources_are_possible(self) -> "ScalingSettings":
+        bad = {k: v for k, v in self.resources_per_worker.items() if v < 0}
+        if bad:
+            raise ValueError(f"resources_per_worker amounts must be >= 0, got {bad}")
+        if not self.use_gpu and self.resources_per_worker.get("GPU", 0) > 0:
+            raise ValueError("resources_per_worker asks for GPUs but use_gpu is false; set scaling.use_gpu=true")
+        return self
+
+
+class DDPSettings(_Section):
+    """Keyword arguments of torch DistributedDataParallel, passed through ray.train.torch.prepare_model."""
+
+    find_unused_parameters: bool = Field(False, description="tolerate parameters that get no gradient in a step")
+    broadcast_buffers: bool = Field(True, description="sync buffers (BatchNorm stats) from rank 0 every forward")
+    static_graph: bool = Field(False, description="the graph is the same every step (enables DDP optimizations)")
+    gradient_as_bucket_view: bool = Field(False, description="gradients alias the all-reduce buckets (saves memory)")
+    bucket_cap_mb: float = Field(25.0, gt=0, description="all-reduce bucket size in MiB")
+
+
+class CheckpointSettings(_Section):
+    """Ray Train's CheckpointConfig: one checkpoint per epoch, ranked by a reported metric."""
+
+    num_to_keep: int | None = Field(2, ge=1, description="checkpoints kept on storage (best by score); null = all")
+    score_attribute: str = Field("val_loss", min_length=1, description="reported metric that ranks checkpoints")
+    score_order: Literal["max", "min"] = Field("min", description="whether a larger or smaller score is better")
+
+
+class RunSettings(_Section):
+    """Ray Train's RunConfig: where a run lives and how often it may fail."""
+
+    name: str | None = Field(
+        None, description="run name; the same name + storage_path resumes; null = '<job>-<time>-<random>'"
+    )
+    storage_path: str = Field("./runs", min_length=1, description="checkpoints go to <storage_path>/<name>/")
+    max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = unlimited")
+
+    @model_validator(mode="after")
+    def _name_is_a_directory_name(self) -> "RunSettings":
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ValueError(f"name must be letters, digits, '.', '_' or '-' (a directory name), got {self.name!r}")
+        return self
+
+
+class MLflowSettings(_Section):
+    """Where metrics and the final model go."""
+
+    tracking_uri: str | None = Field(
+        None, description="null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory"
+    )
+    experiment: str | None = Field(None, description="experiment name; null = the job name")
+    model_name: str | None = Field(None, description="registered model name; null = the job name")
+
+
+class Config(_Section):
+    """A whole run: the job, the recipe's keyword arguments and the service's settings."""
+
+    job: str = Field(description="recipe name in jobs/ or a path to a job's .py/.yaml file")
+    seed: int = Field(0, ge=0, description="drives model init, data split, per-epoch shuffle and dropout")
+    model: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the recipe's build_model")
+    dataset: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the recipe's build_datasets"
+    )
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    scaling: ScalingSettings = Field(default_factory=ScalingSettings)
+    ddp: DDPSettings = Field(default_factory=DDPSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    run: RunSettings = Field(default_factory=RunSettings)
+    mlflow: MLflowSettings = Field(default_factory=MLflowSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+        return cls.model_validate(data)
+
+    def flat(self) -> dict[str, Any]:
+        """`{"train.lr": 0.001, ...}`: the config as MLflow params."""
+        return {".".join(path): value for path, value in _flatten(self.to_dict())}
+
+    def with_overrides(self, *overrides: str) -> "Config":
+        """A copy with `key.sub=value` overrides applied and validated."""
+        layers = [_Layer("config", self.to_dict())] + [_Layer("command line", _parse_override(o)) for o in overrides]
+        return _validate(self.job, layers)
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def load_config(job: str, *, config_file: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Resolve `job` to its recipe and YAML, layer the config files and overrides, validate everything.
+
+    >>> load_config("digits", overrides=["train.epochs=2"])
+    """
+    try:
+        files = recipes.find_job(job)
+    except recipes.RecipeError as e:
+        raise ConfigError(job, [str(e)]) from None
+    layers = [_Layer("defaults", {"job": job})]
+    if files.yaml is not None:
+        layers.append(_Layer(str(files.yaml), _read_yaml(files.yaml)))
+    if config_file is not None:
+        layers.append(_Layer(str(config_file), _read_yaml(Path(config_file))))
+    problems = []
+    for override in overrides:
+        try:
+            layers.append(_Layer("command line", _parse_override(override)))
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError(job, problems)
+    return _validate(job, layers)
+
+
+class _Layer:
+    def __init__(self, source: str, data: Any):
+        if not isinstance(data, dict):
+            raise ConfigError("?", [f"{source}: must be a mapping of keys to values, got {type(data).__name__}"])
+        self.source, self.data = source, data
+
+
+def _validate(job: str, layers: Sequence[_Layer]) -> Config:
+    merged: dict[str, Any] = {}
+    sources: dict[tuple, str] = {}
+    for layer in layers:
+        _merge(merged, layer.data, layer.source, sources, ())
+    problems: list[str] = []
+    config = None
+    try:
+        config = Config.model_validate(merged)
+    except ValidationError as e:
+        problems += [_describe(err, sources) for err in e.errors()]
+    try:
+        recipe = recipes.load(merged.get("job", job))
+    except recipes.RecipeError as e:
+        raise ConfigError(job, problems + [str(e)]) from None
+    resolved_kwargs = {}
+    for section, schema in (("model", recipe.model_kwargs), ("dataset", recipe.dataset_kwargs)):
+        try:
+            resolved_kwargs[section] = schema.model_validate(merged.get(section) or {}).model_dump()
+        except ValidationError as e:
+            problems += [_describe(err, sources, prefix=(section,), schema=schema) for err in e.errors()]
+    if problems:
+        raise ConfigError(job, problems)
+    return config.model_copy(update=resolved_kwargs)
+
+
+def _merge(into: dict, new: Mapping, source: str, sources: dict, path: tuple) -> None:
+    for key, value in new.items():
+        key_path = path + (key,)
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value, source, sources, key_path)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+            sources[key_path] = source
+            for inner_path, _ in _flatten(value, key_path):
+                sources[inner_path] = source
+
+
+def _flatten(data: Any, path: tuple = ()):
+    if isinstance(data, Mapping) and data:
+        for key, value in data.items():
+            yield from _flatten(value, path + (key,))
+    elif path:
+        yield path, data
+
+
+def _describe(err: dict, sources: dict, prefix: tuple = (), schema: type[BaseModel] = Config) -> str:
+    loc = prefix + tuple(str(p) for p in err["loc"])
+    key = ".".join(loc)
+    where = _source_of(loc, sources)
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[len(prefix) : -1], schema)
+        hint = difflib.get_close_matches(loc[-1], allowed, n=1)
+        did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
+        return f"{key}: unknown key{where}; allowed keys here: {', '.join(allowed) or '(none)'}{did_you_mean}"
+    if err["type"] == "missing":
+        return f"{key}: required, but no layer sets it"
+    message = err["msg"].removeprefix("Value error, ")
+    if isinstance(err.get("input"), Mapping):  # a check across a section's keys: the message names them
+        return f"{key}: {message}"
+    got = f" (got {err['input']!r}{where.replace(' (', ', ').rstrip(')')})" if "input" in err else where
+    return f"{key}: {message}{got}"
+
+
+def _source_of(loc: tuple, sources: dict) -> str:
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in sources:
+            return f" (from {sources[loc[:n]]})"
+    return ""
+
+
+def _allowed_keys(loc: tuple, schema: Any) -> list[str]:
+    for part in loc:
+        field = schema.model_fields.get(part) if isinstance(schema, type) and issubclass(schema, BaseModel) else None
+        schema = field.annotation if field else None
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        return sorted(schema.model_fields)
+    return []
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(str(path), [f"{path}: no such config file"])
+    try:
+        return yaml.load(path.read_text(), Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), [f"{path}: not valid YAML: {e}"]) from None
+
+
+def _parse_override(override: str) -> dict[str, Any]:
+    key, sep, raw = override.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", key.strip()):
+        raise ValueError(f"override {override!r}: expected key.sub=value, e.g. train.epochs=5")
+    try:
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {override!r}: value is not valid YAML: {e}") from None
+    for part in reversed(key.strip().split(".")):
+        value = {part: value}
+    return value
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.2), which PyYAML's 1.1 rules leave a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)

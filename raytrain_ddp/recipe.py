@@ -1,0 +1,133 @@
+"""Recipes: finding a job's files, importing its module, and checking it keeps the contract.
+
+A job is a pair in `jobs/`: `<name>.py` (the recipe) and `<name>.yaml` (its config). The recipe is
+plain functions with keyword-only arguments:
+
+    build_model(**model) -> torch.nn.Module
+    build_datasets(*, seed, **dataset) -> {"train": ray.data.Dataset, "val": ray.data.Dataset}
+    compute_loss(model, batch) -> scalar tensor            # the training objective, mean over the batch
+    evaluate(model, batch) -> {name: (sum, count)}         # validation sums; the service all-reduces them
+    model_input(batch) -> tensor                           # what the model's forward takes (for MLflow)
+
+The YAML's `model:` and `dataset:` mappings are those keyword arguments, validated against the
+signatures (types, and pydantic constraints such as `Annotated[float, Field(gt=0, lt=1)]`) before Ray
+starts, so each default and each limit lives once, in the recipe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import ray.cloudpickle
+from pydantic import BaseModel, ConfigDict, create_model
+
+REQUIRED = ("build_model", "build_datasets", "compute_loss", "evaluate", "model_input")
+JOBS_DIR = "jobs"
+
+
+class RecipeError(ValueError):
+    """A job cannot be found or its recipe breaks the contract."""
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    name: str
+    recipe: Path
+    yaml: Path | None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe's functions, picklable by value so workers need no copy of `jobs/`."""
+
+    name: str
+    build_model: Callable[..., Any]
+    build_datasets: Callable[..., Any]
+    compute_loss: Callable[..., Any]
+    evaluate: Callable[..., Any]
+    model_input: Callable[..., Any]
+
+    @property
+    def model_kwargs(self) -> type[BaseModel]:
+        return _kwargs_schema(self.build_model, skip=())
+
+    @property
+    def dataset_kwargs(self) -> type[BaseModel]:
+        return _kwargs_schema(self.build_datasets, skip=("seed",))
+
+
+def job_search_path() -> list[Path]:
+    """Where job names are looked up: ./jobs, then the jobs/ beside this package (a source checkout)."""
+    here = Path(__file__).resolve().parent.parent / JOBS_DIR
+    return list(dict.fromkeys([Path.cwd() / JOBS_DIR, here]))
+
+
+def available_jobs() -> list[str]:
+    return sorted({p.stem for d in job_search_path() if d.is_dir() for p in d.glob("*.py") if p.stem != "__init__"})
+
+
+def find_job(job: str) -> JobFiles:
+    """`digits` -> jobs/digits.py + jobs/digits.yaml; a path to either file of a pair works too."""
+    as_path = Path(job)
+    if as_path.suffix in (".py", ".yaml", ".yml"):
+        if not as_path.is_file():
+            raise RecipeError(f"job file {job} does not exist")
+        py = as_path.with_suffix(".py")
+        if not py.is_file():
+            raise RecipeError(f"job {job}: the recipe {py} is missing (a job is a .py recipe plus its .yaml)")
+        yaml_file = next((p for p in (py.with_suffix(".yaml"), py.with_suffix(".yml")) if p.is_file()), None)
+        return JobFiles(py.stem, py, yaml_file)
+    for directory in job_search_path():
+        py = directory / f"{job}.py"
+        if py.is_file():
+            yaml_file = py.with_suffix(".yaml")
+            return JobFiles(job, py, yaml_file if yaml_file.is_file() else None)
+    known = ", ".join(available_jobs()) or "(none found)"
+    raise RecipeError(f"unknown job '{job}'; known jobs: {known}; or pass a path to a job's .py or .yaml file")
+
+
+def load(job: str) -> Recipe:
+    files = find_job(job)
+    module = _import(files)
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise RecipeError(f"recipe {files.recipe} must define {', '.join(missing)} (see raytrain_ddp/recipe.py)")
+    return Recipe(files.name, *(getattr(module, name) for name in REQUIRED))
+
+
+def _import(files: JobFiles) -> ModuleType:
+    module_name = f"raytrain_ddp_job_{files.name}"
+    module = sys.modules.get(module_name)
+    if module is None or Path(module.__file__).resolve() != files.recipe.resolve():
+        spec = importlib.util.spec_from_file_location(module_name, files.recipe)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[module_name]
+            raise RecipeError(f"recipe {files.recipe} failed to import: {type(e).__name__}: {e}") from e
+        # Ship the recipe's code to the workers with its functions instead of requiring jobs/ there.
+        ray.cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def _kwargs_schema(fn: Callable[..., Any], skip: tuple[str, ...]) -> type[BaseModel]:
+    fields = {}
+    for name, param in inspect.signature(fn, eval_str=True).parameters.items():
+        if name in skip or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        annotation = Any if param.annotation is inspect.Parameter.empty else param.annotation
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[name] = (annotation, default)
+    return create_model(
+        f"{fn.__name__}_kwargs",
+        __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True),
+        **fields,
+    )

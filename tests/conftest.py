@@ -1,0 +1,54 @@
+"""Shared fixtures: one real local Ray for the whole session, and a private workspace per run."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where a test's runs write: its own storage path and its own sqlite MLflow store."""
+
+    root: Path
+
+    @property
+    def storage(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"sqlite:///{self.root / 'mlflow.db'}"
+
+    def overrides(self, *extra: str) -> list[str]:
+        # Half a CPU per worker leaves Ray Data a core on a 2-core machine.
+        return [
+            f"run.storage_path={self.storage}",
+            f"mlflow.tracking_uri={self.tracking_uri}",
+            "scaling.num_workers=2",
+            "scaling.resources_per_worker={CPU: 0.5}",
+            *extra,
+        ]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray shared by every test that trains: a cold start costs 10-20 s on 2 cores."""
+    import ray
+
+    ray.init(log_to_driver=False, logging_level=logging.ERROR)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Workspace:
+    return Workspace(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_workspace(tmp_path_factory) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("workspace"))
