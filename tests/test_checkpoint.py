@@ -1,0 +1,101 @@
+"""The checkpoint format: a save -> load round trip restores everything, and a damaged one is refused."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from raytrain_ddp import checkpoint as ckpt
+
+
+def _parts(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+
+
+def _trained_parts():
+    model, optimizer, scheduler = _parts(seed=0)
+    for _ in range(3):
+        loss = model(torch.randn(16, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, optimizer, scheduler = _trained_parts()
+    state = ckpt.TrainingState(2, 3, optimizer.state_dict(), scheduler.state_dict(), [ckpt.rng_state()] * 2)
+    ckpt.save(tmp_path, model=model, state=state, config={"job": "x", "train": {"epochs": 4}}, metrics={"val_loss": 0.5})
+    return tmp_path, model, optimizer, scheduler
+
+
+def test_round_trip_restores_weights_optimizer_schedule_counters_config_and_metrics(saved):
+    directory, model, optimizer, scheduler = saved
+    fresh_model, fresh_optimizer, fresh_scheduler = _parts(seed=1)
+
+    fresh_model.load_state_dict(ckpt.load_model_state(directory))
+    state = ckpt.load_training_state(directory)
+    fresh_optimizer.load_state_dict(state.optimizer)
+    fresh_scheduler.load_state_dict(state.scheduler)
+
+    torch.testing.assert_close(fresh_model.state_dict(), model.state_dict())  # BatchNorm buffers included
+    torch.testing.assert_close(fresh_optimizer.state_dict()["state"], optimizer.state_dict()["state"])
+    assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
+    assert (state.epoch, state.step, len(state.rng)) == (2, 3, 2)
+    assert ckpt.load_config(directory) == {"job": "x", "train": {"epochs": 4}}
+    assert ckpt.load_metrics(directory) == {"val_loss": 0.5}
+
+
+def test_every_file_loads_without_unpickling_objects(saved):
+    directory = saved[0]
+    for name in (ckpt.MODEL_FILE, ckpt.STATE_FILE):
+        torch.load(directory / name, weights_only=True)  # raises on anything but tensors and primitives
+
+
+def test_rng_state_round_trip_reproduces_every_generator():
+    state = ckpt.rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    ckpt.set_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[:2] == again[:2]
+    torch.testing.assert_close(first[2], again[2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda d: (d / ckpt.MODEL_FILE).write_bytes((d / ckpt.MODEL_FILE).read_bytes()[:-10]), "does not match"),
+        (lambda d: _flip_a_byte(d / ckpt.STATE_FILE), "does not match"),
+        (lambda d: (d / ckpt.CONFIG_FILE).unlink(), "config.json is missing"),
+        (lambda d: (d / ckpt.MANIFEST_FILE).unlink(), "never completed"),
+        (lambda d: (d / ckpt.MANIFEST_FILE).write_text("{"), "unreadable"),
+    ],
+    ids=["truncated", "flipped-byte", "missing-file", "no-manifest", "bad-manifest"],
+)
+def test_a_damaged_checkpoint_is_refused(saved, damage, says):
+    directory = saved[0]
+    damage(directory)
+    with pytest.raises(ckpt.CheckpointError, match=says):
+        ckpt.load_model_state(directory)
+
+
+def test_manifest_lists_every_file_with_its_checksum(saved):
+    manifest = json.loads((saved[0] / ckpt.MANIFEST_FILE).read_text())
+    assert set(manifest["files"]) == {ckpt.MODEL_FILE, ckpt.STATE_FILE, ckpt.CONFIG_FILE, ckpt.METRICS_FILE}
+    assert all(len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in manifest["files"].values())
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
