@@ -1,0 +1,88 @@
+"""The command line.
+
+    raytrain-ddp train digits                              # the flagship job on a local Ray
+    raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
+    raytrain-ddp train digits --print-config               # validate and show the resolved config
+    raytrain-ddp jobs                                      # the jobs it can find
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from typing import Sequence
+
+import yaml
+from pydantic import BaseModel
+
+from raytrain_ddp import recipe as recipes
+from raytrain_ddp.config import Config, ConfigError, load_config
+
+OVERRIDES_HELP = """\
+overrides:
+  key.sub=value pairs, applied last (schema defaults < job YAML < --config FILE < overrides).
+  Values are YAML: train.lr=3e-4, scaling.use_gpu=true, run.name=null, 'scaling.resources_per_worker={CPU: 2}'.
+  model.* and dataset.* are the keyword arguments of the recipe's build_model / build_datasets.
+  Unknown keys, wrong types and impossible values are all reported at once, before Ray starts.
+  Running again with the same run.name (and run.storage_path) resumes that run from its latest checkpoint.
+
+keys (default: meaning):
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raytrain-ddp", description="Distributed data-parallel PyTorch on Ray.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train a job (resumes when run.name names an existing run)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=OVERRIDES_HELP + "\n".join(_describe_keys(Config)),
+    )
+    train.add_argument("job", help="a job name from jobs/ (see `raytrain-ddp jobs`) or a path to a job's .py/.yaml")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see below)")
+    train.add_argument("--config", metavar="FILE", help="a YAML layered over the job's own YAML")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
+    commands.add_parser("jobs", help="list the jobs found in ./jobs and the project's jobs/")
+    args = parser.parse_args(argv)
+
+    if args.command == "jobs":
+        print("\n".join(recipes.available_jobs()) or "no jobs found in: " + ", ".join(map(str, recipes.job_search_path())))
+        return 0
+    try:
+        config = load_config(args.job, config_file=args.config, overrides=args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
+
+    from raytrain_ddp.driver import RunFailed, run  # torch, Ray Train and MLflow: only when training
+
+    try:
+        run(config, verbose=args.verbose)
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _describe_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
+    lines = []
+    for name, field in schema.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines += _describe_keys(annotation, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        allowed = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+        shown = "|".join(allowed) if allowed else ("required" if field.is_required() else yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n..."))
+        lines.append(f"  {prefix}{name} ({shown}): {field.description or ''}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""MLflow: one MLflow run per training run, metrics logged live, the final model registered.
+
+The only module that imports mlflow. Workers never talk to MLflow: `MLflowMetrics` runs on the Ray
+Train controller and logs each epoch's metrics as the report arrives; the driver creates the run
+before training and registers the best checkpoint's model after it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+import ray.train
+import torch
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+from mlflow.tracking import MlflowClient
+
+from raytrain_ddp.config import Config
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+RUN_NAME_TAG = "raytrain_ddp.run_name"
+CHECKPOINT_TAG = "raytrain_ddp.checkpoint"
+MODEL_ARTIFACT = "model"
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    name: str
+    version: int
+    uri: str  # models:/<name>/<version>
+
+
+def resolve_tracking_uri(setting: str | None) -> str:
+    """Config, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db; relative sqlite paths made absolute,
+    because the controller that logs metrics does not share the driver's working directory."""
+    uri = setting or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri.removeprefix(prefix)).resolve())
+    return uri
+
+
+def ui_command(tracking_uri: str) -> str:
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri}"
+    return f"mlflow ui --backend-store-uri {tracking_uri}"
+
+
+def start_run(config: Config) -> str:
+    """The MLflow run of this training run: created on the first attempt, continued when the run
+    resumes. Params are the flattened config; a value changed on resume is kept as a tag."""
+    client = MlflowClient(config.mlflow.tracking_uri)
+    experiment = client.get_experiment_by_name(config.mlflow.experiment)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
+    name = config.run.name
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{name}'", max_results=1)
+    params = {key: str(value) for key, value in config.flat().items()}
+    if found:
+        run = found[0]
+        client.update_run(run.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        changed = {k: v for k, v in params.items() if k in run.data.params and run.data.params[k] != v}
+        for key, value in changed.items():
+            client.set_tag(run.info.run_id, f"changed_on_resume.{key}", value)
+        params = {k: v for k, v in params.items() if k not in run.data.params}
+    else:
+        run = client.create_run(experiment_id, run_name=name, tags={RUN_NAME_TAG: name, "job": config.job})
+    items = list(params.items())
+    for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
+    client.log_dict(run.info.run_id, config.to_dict(), "config.yaml")
+    return run.info.run_id
+
+
+def finish_run(config: Config, run_id: str, failed: bool) -> None:
+    status = RunStatus.FAILED if failed else RunStatus.FINISHED
+    MlflowClient(config.mlflow.tracking_uri).set_terminated(run_id, RunStatus.to_string(status))
+
+
+class MLflowMetrics(ray.train.UserCallback):
+    """Runs on the Ray Train controller: each epoch's global metrics go to MLflow as they arrive."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.tracking_uri, self.run_id = tracking_uri, run_id
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        reported = metrics[0]  # every rank reports the same global metrics
+        now = int(time.time() * 1000)
+        epoch = int(reported["epoch"])
+        batch = [Metric(k, float(v), now, epoch) for k, v in reported.items() if _is_number(v) and k != "epoch"]
+        MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+
+
+def register_model(
+    config: Config, run_id: str, model: torch.nn.Module, input_example: np.ndarray, checkpoint_path: str
+) -> RegisteredModel:
+    """Log `model` (the best checkpoint's weights) with a signature and an input example, and register
+    it as a new version of `mlflow.model_name`, unless this run already registered this checkpoint
+    (then that version is returned: registering is idempotent)."""
+    client = MlflowClient(config.mlflow.tracking_uri)
+    name = config.mlflow.model_name
+    for version in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+        if version.tags.get(CHECKPOINT_TAG) == checkpoint_path:
+            return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+    model.eval()
+    with torch.no_grad():
+        output = model(torch.from_numpy(input_example)).numpy()
+    mlflow.set_tracking_uri(config.mlflow.tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pytorch.log_model(
+            model,
+            name=MODEL_ARTIFACT,
+            signature=infer_signature(input_example, output),
+            input_example=input_example,
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        )
+        mlflow.set_tag(CHECKPOINT_TAG, checkpoint_path)
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(
+        name,
+        source=info.model_uri,
+        run_id=run_id,
+        model_id=info.model_id,
+        tags={CHECKPOINT_TAG: checkpoint_path, RUN_NAME_TAG: config.run.name},
+    )
+    return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,139 @@
+"""Training for real: 2 DDP workers on a local Ray (gloo), digits read through Ray Data, MLflow on sqlite.
+
+One straight 4-epoch run is shared by the checks on sharding, global validation, checkpoints and
+MLflow; the resume test trains the same run in two halves and compares weights with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp import recipe as recipes
+from raytrain_ddp.config import load_config
+
+# Constant LR so that "2 epochs, then 2 more" follows the same schedule as "4 epochs" (a cosine
+# schedule's length depends on the total). Checkpoints ranked by val_loss: accuracy (k/360) ties.
+SETTINGS = (
+    "train.lr_schedule=constant",
+    "checkpoint.num_to_keep=1",
+    "checkpoint.score_attribute=val_loss",
+    "checkpoint.score_order=min",
+)
+DIGITS_TRAIN_ROWS, DIGITS_VAL_ROWS = 1437, 360
+
+
+@pytest.fixture(scope="module")
+def straight(ray_session, module_workspace):
+    from raytrain_ddp import run
+
+    config = load_config("digits", overrides=module_workspace.overrides(*SETTINGS, "train.epochs=4", "run.name=straight"))
+    return run(config), config
+
+
+def test_each_worker_trains_on_half_of_the_rows_every_epoch(straight):
+    summary, _ = straight
+    assert summary.epochs == 4
+    per_worker = DIGITS_TRAIN_ROWS // 2  # streaming_split(equal=True) drops the odd row
+    assert summary.final_metrics["train_rows_per_worker"] == [per_worker, per_worker]
+    assert summary.final_metrics["train_rows"] == 2 * per_worker
+    assert summary.final_metrics["train_batches"] == 2 * int(np.ceil(per_worker / 32))
+
+
+def test_validation_counts_every_row_exactly_once_across_ranks(straight):
+    summary, _ = straight
+    per_worker = summary.final_metrics["val_rows_per_worker"]
+    assert summary.final_metrics["val_rows"] == sum(per_worker) == DIGITS_VAL_ROWS
+    assert len(per_worker) == 2 and min(per_worker) > 0  # both ranks evaluated a share
+
+
+def test_checkpoints_live_under_the_run_and_num_to_keep_holds(straight, module_workspace):
+    summary, config = straight
+    run_dir = module_workspace.storage / "straight"
+    assert Path(summary.run_path) == run_dir
+    kept = sorted(p.name for p in run_dir.glob("epoch_*"))
+    history = _metric_history(summary, "val_loss")
+    best_epoch = min(history, key=history.get)
+    # Ray keeps the num_to_keep best by score and, for resuming, always the latest.
+    assert kept == sorted({f"epoch_{best_epoch:04d}", "epoch_0004"})
+    assert Path(summary.best_checkpoint) == run_dir / f"epoch_{best_epoch:04d}"
+    for directory in run_dir.glob("epoch_*"):
+        ckpt.verify(directory)
+        saved = ckpt.load_config(directory)
+        assert saved["run"]["name"] == "straight" and saved["train"] == config.to_dict()["train"]
+
+
+def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(straight):
+    from mlflow.tracking import MlflowClient
+
+    summary, _ = straight
+    client = MlflowClient(summary.tracking_uri)
+    [run] = client.search_runs(
+        [client.get_experiment_by_name("digits").experiment_id], filter_string="tags.`raytrain_ddp.run_name` = 'straight'"
+    )
+    assert run.info.status == "FINISHED" and run.info.run_id == summary.mlflow_run_id
+    assert run.data.params["train.epochs"] == "4" and run.data.params["scaling.num_workers"] == "2"
+    assert sorted(_metric_history(summary, "val_accuracy")) == [1, 2, 3, 4]
+    [version] = client.search_model_versions("name = 'digits-resnet18'")
+    assert int(version.version) == summary.model.version == 1 and version.run_id == run.info.run_id
+    assert summary.model.uri == "models:/digits-resnet18/1"
+
+
+def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
+    import mlflow
+
+    summary, config = straight
+    mlflow.set_tracking_uri(summary.tracking_uri)
+    model = mlflow.pytorch.load_model(summary.model.uri)
+    val = recipes.load("digits").build_datasets(seed=config.seed, **config.dataset)["val"]
+    batch = val.take_all()
+    images = torch.from_numpy(np.stack([row["image"] for row in batch]))
+    labels = np.array([row["label"] for row in batch])
+    with torch.no_grad():
+        accuracy = float((model(images).argmax(dim=1).numpy() == labels).mean())
+    assert len(labels) == DIGITS_VAL_ROWS
+    assert accuracy == pytest.approx(summary.metrics["val_accuracy"], abs=1e-9)
+    assert accuracy >= 0.9
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_where_the_run_stopped(straight, module_workspace):
+    from raytrain_ddp import run
+
+    summary, _ = straight
+    first_half = load_config("digits", overrides=module_workspace.overrides(*SETTINGS, "train.epochs=2", "run.name=halves"))
+    assert run(first_half).epochs == 2
+    resumed = run(first_half.with_overrides("train.epochs=4"))
+
+    assert resumed.epochs == 4
+    assert sorted(_metric_history(resumed, "val_loss")) == [1, 2, 3, 4]  # one MLflow run, continued
+    straight_weights = ckpt.load_model_state(Path(summary.run_path) / "epoch_0004")
+    resumed_weights = ckpt.load_model_state(Path(resumed.run_path) / "epoch_0004")
+    torch.testing.assert_close(resumed_weights, straight_weights, rtol=0, atol=0)
+
+
+def test_a_failing_fit_raises_and_registers_nothing(ray_session, workspace):
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ddp import RunFailed, run
+
+    config = load_config(
+        "digits", overrides=workspace.overrides("train.epochs=1", "run.name=doomed", "checkpoint.score_attribute=val_f1")
+    )
+    with pytest.raises(RunFailed, match=r"checkpoint.score_attribute='val_f1' is not a reported metric"):
+        run(config)
+    client = MlflowClient(workspace.tracking_uri)
+    [failed] = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    assert failed.info.status == "FAILED"
+    assert client.search_model_versions("name = 'digits-resnet18'") == []
+
+
+def _metric_history(summary, key: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, key)
+    return {m.step: m.value for m in history}
