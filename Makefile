@@ -14,11 +14,13 @@ UV := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 install: $(UV)
 	$(UV) sync --locked
 
+# The venv's own executables, not `uv run`: under `uv run`, Ray starts every worker through
+# `uv run` as well, which fails when uv is not on PATH (as with .tools/bin/uv).
 demo: install
-	$(UV) run --locked raytrain-ddp train digits
+	.venv/bin/raytrain-ddp train digits
 
 test: install
-	$(UV) run --locked pytest
+	.venv/bin/pytest
 
 test-quick: install
-	$(UV) run --locked pytest -m "not slow"
+	.venv/bin/pytest -m "not slow"
