@@ -16,7 +16,6 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import ray.data
 import torch
-from ray.data import ExecutionOptions
 from ray.train import DataConfig
 
 DATASETS = ("train", "val")
@@ -34,7 +33,9 @@ def check_datasets(datasets: Any, job: str) -> dict[str, ray.data.Dataset]:
 
 
 def dataset_config() -> DataConfig:
-    return DataConfig(datasets_to_split=["train"], execution_options=ExecutionOptions(preserve_order=True))
+    options = DataConfig.default_ingest_options()  # Ray's defaults (resource limits, ...), plus a fixed order
+    options.preserve_order = True
+    return DataConfig(datasets_to_split=["train"], execution_options=options)
 
 
 def steps_per_epoch(train_rows: int, world_size: int, batch_size: int, drop_last: bool) -> int:
