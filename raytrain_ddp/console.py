@@ -6,6 +6,7 @@ each one on a Ray queue that `LiveProgress` drains on the driver while `fit()` r
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ from rich.console import Console
 if TYPE_CHECKING:
     from raytrain_ddp.driver import RunSummary
 
+logger = logging.getLogger(__name__)
+
 
 class ProgressRelay(ray.train.UserCallback):
     """Runs on the controller: forwards rank 0's metrics of every report to the driver."""
@@ -24,7 +27,10 @@ class ProgressRelay(ray.train.UserCallback):
         self.queue = queue
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        self.queue.put({**metrics[0], "_checkpoint": checkpoint.path if checkpoint else None})
+        try:  # a display problem must never end the run (controller errors are not retried)
+            self.queue.put(metrics[0], timeout=5)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("progress line for epoch %s not shown: %s", metrics[0].get("epoch"), e)
 
 
 class LiveProgress:

@@ -7,11 +7,13 @@ before training and registers the best checkpoint's model after it.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Literal
 
 import mlflow
 import numpy as np
@@ -26,8 +28,11 @@ from raytrain_ddp.config import Config
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "raytrain_ddp.run_name"
+RUN_PATH_TAG = "raytrain_ddp.run_path"  # <storage_path>/<run name>: with the name, what identifies a run
 CHECKPOINT_TAG = "raytrain_ddp.checkpoint"
 MODEL_ARTIFACT = "model"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,14 @@ def ui_command(tracking_uri: str) -> str:
 
 def start_run(config: Config) -> str:
     """The MLflow run of this training run: created on the first attempt, continued when the run
-    resumes. Params are the flattened config; a value changed on resume is kept as a tag."""
+    resumes. Params are the flattened config; a value changed on resume (train.epochs, say: see
+    config.RESUMABLE) is kept as a tag, since MLflow params cannot change."""
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
-    name = config.run.name
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{name}'", max_results=1)
+    name, path = config.run.name, f"{config.run.storage_path}/{config.run.name}"
+    identity = f"tags.`{RUN_NAME_TAG}` = '{name}' and tags.`{RUN_PATH_TAG}` = '{path}'"
+    found = client.search_runs([experiment_id], filter_string=identity, max_results=1)
     params = {key: str(value) for key, value in config.flat().items()}
     if found:
         run = found[0]
@@ -70,7 +77,9 @@ def start_run(config: Config) -> str:
             client.set_tag(run.info.run_id, f"changed_on_resume.{key}", value)
         params = {k: v for k, v in params.items() if k not in run.data.params}
     else:
-        run = client.create_run(experiment_id, run_name=name, tags={RUN_NAME_TAG: name, "job": config.job})
+        run = client.create_run(
+            experiment_id, run_name=name, tags={RUN_NAME_TAG: name, RUN_PATH_TAG: path, "job": config.job}
+        )
     items = list(params.items())
     for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
         client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
@@ -78,13 +87,18 @@ def start_run(config: Config) -> str:
     return run.info.run_id
 
 
-def finish_run(config: Config, run_id: str, failed: bool) -> None:
-    status = RunStatus.FAILED if failed else RunStatus.FINISHED
-    MlflowClient(config.mlflow.tracking_uri).set_terminated(run_id, RunStatus.to_string(status))
+def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
+    MlflowClient(config.mlflow.tracking_uri).set_terminated(run_id, status)
 
 
 class MLflowMetrics(ray.train.UserCallback):
-    """Runs on the Ray Train controller: each epoch's global metrics go to MLflow as they arrive."""
+    """Runs on the Ray Train controller: each epoch's global metrics go to MLflow as they arrive.
+
+    An exception here would end the run as a controller error, which Ray never retries, so a store
+    that is briefly unavailable costs a warning, not the training; every checkpoint's metrics.json
+    keeps the numbers."""
+
+    ATTEMPTS = 3
 
     def __init__(self, tracking_uri: str, run_id: str):
         self.tracking_uri, self.run_id = tracking_uri, run_id
@@ -94,7 +108,14 @@ class MLflowMetrics(ray.train.UserCallback):
         now = int(time.time() * 1000)
         epoch = int(reported["epoch"])
         batch = [Metric(k, float(v), now, epoch) for k, v in reported.items() if _is_number(v) and k != "epoch"]
-        MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+        for attempt in range(1, self.ATTEMPTS + 1):
+            try:
+                MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+                return
+            except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
+                if attempt == self.ATTEMPTS:
+                    logger.warning("MLflow: epoch %d metrics not logged (%s); see the checkpoint's metrics.json", epoch, e)
+                time.sleep(attempt)
 
 
 def register_model(
@@ -111,8 +132,8 @@ def register_model(
     model.eval()
     with torch.no_grad():
         output = model(torch.from_numpy(input_example)).numpy()
-    mlflow.set_tracking_uri(config.mlflow.tracking_uri)
-    with mlflow.start_run(run_id=run_id):
+    # Inside: registering a `models:/m-...` source resolves it through MLflow's global tracking URI.
+    with _active_run(config.mlflow.tracking_uri, run_id):
         info = mlflow.pytorch.log_model(
             model,
             name=MODEL_ARTIFACT,
@@ -121,19 +142,32 @@ def register_model(
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
         )
         mlflow.set_tag(CHECKPOINT_TAG, checkpoint_path)
-    try:
-        client.create_registered_model(name)
-    except MlflowException as e:
-        if e.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    version = client.create_model_version(
-        name,
-        source=info.model_uri,
-        run_id=run_id,
-        model_id=info.model_id,
-        tags={CHECKPOINT_TAG: checkpoint_path, RUN_NAME_TAG: config.run.name},
-    )
+        try:
+            client.create_registered_model(name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = client.create_model_version(
+            name,
+            source=info.model_uri,
+            run_id=run_id,
+            model_id=info.model_id,
+            tags={CHECKPOINT_TAG: checkpoint_path, RUN_NAME_TAG: config.run.name},
+        )
     return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+
+
+@contextlib.contextmanager
+def _active_run(tracking_uri: str, run_id: str) -> Iterator[None]:
+    """Model logging and registration go through MLflow's global tracking URI and "active run": set
+    them for the call, then put back the caller's (a notebook may have its own run open)."""
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):
+            yield
+    finally:
+        mlflow.set_tracking_uri(previous)
 
 
 def _is_number(value: Any) -> bool:
