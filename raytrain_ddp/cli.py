@@ -60,10 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
 
-    from raytrain_ddp.driver import RunFailed, run  # torch, Ray Train and MLflow: only when training
+    from raytrain_ddp.driver import RunFailed, RunInterrupted, run  # torch, Ray Train, MLflow: only to train
 
     try:
         run(config, verbose=args.verbose)
+    except ConfigError as e:  # what only the recipe or the resumed run's record could tell
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 130
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

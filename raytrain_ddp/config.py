@@ -151,6 +151,36 @@ class Config(_Section):
         return _validate(self.job, layers)
 
 
+# Keys a resumed run may change: they do not change what is computed, only how long, where, and what
+# is kept or logged. Anything else would be silently overridden by the restored optimizer state or
+# break exact resume (data order depends on num_workers), so changing it means starting a new run.
+RESUMABLE = (
+    "train.epochs",
+    "train.eval_batch_size",
+    "scaling.use_gpu",
+    "scaling.resources_per_worker",
+    "ddp.bucket_cap_mb",
+    "ddp.gradient_as_bucket_view",
+    "ddp.find_unused_parameters",
+    "ddp.static_graph",
+    "checkpoint.",
+    "run.max_failures",
+    "mlflow.",
+)
+
+
+def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:
+    """What `config` changes, against the config saved in the run's latest checkpoint, that a resume
+    may not change; one line per key."""
+    before = {".".join(p): v for p, v in _flatten(saved)}
+    after = config.flat()
+    return [
+        f"{key}: was {before.get(key)!r} when the run started, now {after.get(key)!r}; a resumed run keeps it"
+        for key in sorted(set(before) | set(after))
+        if before.get(key) != after.get(key) and not key.startswith(RESUMABLE)
+    ]
+
+
 # ---- loading -------------------------------------------------------------------------------------
 
 

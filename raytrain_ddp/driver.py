@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +28,16 @@ from rich.console import Console
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import console as ui
 from raytrain_ddp import data, recipe as recipes, tracking
-from raytrain_ddp.config import Config
-from raytrain_ddp.loop import train_loop_per_worker
+from raytrain_ddp.config import Config, ConfigError, resume_conflicts
+from raytrain_ddp.loop import reported_metrics, train_loop_per_worker
 
 
 class RunFailed(RuntimeError):
     """Training did not finish; the message says why, where the checkpoints are and how to resume."""
+
+
+class RunInterrupted(RunFailed):
+    """Training was stopped (Ctrl-C, or the run was aborted) before its last epoch."""
 
 
 @dataclass(frozen=True)
@@ -52,26 +58,103 @@ class RunSummary:
 
 
 def run(config: Config, *, verbose: bool = False, console: Console | None = None) -> RunSummary:
-    """Train `config` to the end (or resume it), register the model, and return the summary."""
+    """Train `config` to its last epoch (resuming the run if it exists), register the best
+    checkpoint's model, and return the summary. Raises ConfigError before any worker starts if the
+    recipe or a resumed run's record rules the config out, RunFailed if training fails."""
     started = time.monotonic()
     console = console or Console(soft_wrap=True)
     recipe = recipes.load(config.job)
     config = resolve(config, recipe.name)
+    run_path = f"{config.run.storage_path}/{config.run.name}"
 
     with console.status("Starting Ray…"):
         _connect(verbose)
     with console.status("Building datasets with Ray Data…"):
         datasets = data.check_datasets(recipe.build_datasets(seed=config.seed, **config.dataset), config.job)
         train_rows = datasets["train"].count()
-        input_example = _input_example(recipe, datasets["val"])
+        example = {k: torch.from_numpy(v.copy()) for k, v in datasets["val"].take_batch(2, batch_format="numpy").items()}
+    epochs_done = _check_before_training(config, recipe, example, run_path)
     steps = data.steps_per_epoch(train_rows, config.scaling.num_workers, config.train.batch_size, config.train.drop_last)
-    run_path = f"{config.run.storage_path}/{config.run.name}"
+    resuming = f", resuming after epoch {epochs_done}" if epochs_done else ""
     console.print(
         f"[bold]{config.run.name}[/]: job {recipe.name}, {config.scaling.num_workers} workers × batch "
-        f"{config.train.batch_size}, {train_rows} training rows ({steps} steps/epoch), checkpoints in {run_path}"
+        f"{config.train.batch_size}, {train_rows} training rows ({steps} steps/epoch){resuming}, checkpoints in {run_path}"
     )
 
     run_id = tracking.start_run(config)
+    resume = f"raytrain-ddp train {config.job} run.name={config.run.name}"
+    try:
+        result = _fit(config, recipe, datasets, steps, run_id, console)
+        epochs = int(result.metrics["epoch"]) if result.metrics else 0
+        if epochs < config.train.epochs:  # how an aborted fit() returns: no error, fewer epochs
+            raise RunInterrupted(f"stopped after epoch {epochs} of {config.train.epochs}")
+        with console.status("Registering the best checkpoint's model in MLflow…"):
+            best, best_metrics, registered = _register_best(config, recipe, result, run_id, example)
+    except BaseException as e:
+        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted))
+        _finish_quietly(config, run_id, "KILLED" if interrupted else "FAILED")
+        kind = RunInterrupted if interrupted else RunFailed
+        raise kind(f"run {config.run.name} {'was interrupted' if interrupted else 'failed'}: {e}\n"
+                   f"checkpoints so far: {run_path}\nresume: {resume}") from e
+    tracking.finish_run(config, run_id, "FINISHED")
+
+    summary = RunSummary(
+        run_name=config.run.name,
+        run_path=run_path,
+        epochs=epochs,
+        workers=config.scaling.num_workers,
+        metrics=best_metrics,
+        final_metrics=dict(result.metrics),
+        best_checkpoint=best.path,
+        model=registered,
+        mlflow_run_id=run_id,
+        tracking_uri=config.mlflow.tracking_uri,
+        ui_command=tracking.ui_command(config.mlflow.tracking_uri),
+        resume_command=f"{resume} train.epochs=<more than {config.train.epochs}>",
+        wall_time_s=time.monotonic() - started,
+    )
+    ui.print_summary(console, summary)
+    return summary
+
+
+def _check_before_training(config: Config, recipe: recipes.Recipe, example: dict, run_path: str) -> int:
+    """What needs the recipe or the run's record, checked before any worker starts: the recipe runs on
+    two validation rows, the score metric is one the loop reports, and a resumed run changes nothing
+    it must keep. Returns the epochs the run has already trained (0 for a new run)."""
+    problems = []
+    model = recipe.build_model(**config.model).eval()
+    with torch.no_grad():
+        loss = recipe.compute_loss(model, example)
+        val_names = recipe.evaluate(model, example).keys()
+    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+        problems.append(f"recipe {recipe.name}: compute_loss must return a scalar tensor, got {loss!r:.80}")
+    reported = reported_metrics(val_names)
+    if config.checkpoint.score_attribute not in reported:
+        problems.append(
+            f"checkpoint.score_attribute: {config.checkpoint.score_attribute!r} is not a reported metric; "
+            f"choose one of: {', '.join(sorted(reported))}"
+        )
+    latest = _latest_checkpoint(run_path)
+    if latest is not None:
+        with latest.as_directory() as directory:
+            conflicts = resume_conflicts(ckpt.load_config(directory), config)
+            epochs_done = ckpt.load_metrics(directory)["epoch"]
+        problems += [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
+    if problems:
+        raise ConfigError(config.job, problems)
+    return epochs_done if latest is not None else 0
+
+
+def _latest_checkpoint(run_path: str) -> ray.train.Checkpoint | None:
+    """The checkpoint Ray will resume from, read from Ray's own record of the run; None if the run has
+    none yet."""
+    try:
+        return ray.train.Result.from_path(run_path).checkpoint
+    except RuntimeError:  # no run directory, or no checkpoint committed in it
+        return None
+
+
+def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, steps: int, run_id: str, console: Console):
     progress = ui.LiveProgress(
         console,
         epochs=config.train.epochs,
@@ -101,46 +184,35 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         datasets=datasets,
         dataset_config=data.dataset_config(),
     )
-    resume = f"raytrain-ddp train {config.job} run.name={config.run.name}"
+    sigint = signal.getsignal(signal.SIGINT)
     try:
         with progress:
             result = trainer.fit()
-        if result.error is not None:
-            raise result.error
-        if result.checkpoint is None:
-            raise RuntimeError("training reported no checkpoint")
-    except BaseException as e:
-        tracking.finish_run(config, run_id, failed=True)
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise RunFailed(f"run {config.run.name} failed: {e}\ncheckpoints so far: {run_path}\nresume: {resume}") from e
+    finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, sigint)
+    if result.error is not None:  # V2 raises instead; never let a failed fit pass as a result
+        raise result.error
+    return result
 
-    with console.status("Registering the best checkpoint's model in MLflow…"):
-        best = result.get_best_checkpoint(config.checkpoint.score_attribute, config.checkpoint.score_order)
-        model = recipe.build_model(**config.model)
-        with best.as_directory() as directory:
-            model.load_state_dict(ckpt.load_model_state(directory))
-            best_metrics = ckpt.load_metrics(directory)
-        registered = tracking.register_model(config, run_id, model, input_example, best.path)
-        tracking.finish_run(config, run_id, failed=False)
 
-    summary = RunSummary(
-        run_name=config.run.name,
-        run_path=run_path,
-        epochs=int(result.metrics["epoch"]) if result.metrics else best_metrics["epoch"],
-        workers=config.scaling.num_workers,
-        metrics=best_metrics,
-        final_metrics=dict(result.metrics or best_metrics),
-        best_checkpoint=best.path,
-        model=registered,
-        mlflow_run_id=run_id,
-        tracking_uri=config.mlflow.tracking_uri,
-        ui_command=tracking.ui_command(config.mlflow.tracking_uri),
-        resume_command=f"{resume} train.epochs=<more than {config.train.epochs}>",
-        wall_time_s=time.monotonic() - started,
-    )
-    ui.print_summary(console, summary)
-    return summary
+def _register_best(config: Config, recipe: recipes.Recipe, result, run_id: str, example: dict):
+    best = result.get_best_checkpoint(config.checkpoint.score_attribute, config.checkpoint.score_order)
+    model = recipe.build_model(**config.model)
+    with best.as_directory() as directory:
+        model.load_state_dict(ckpt.load_model_state(directory))
+        metrics = ckpt.load_metrics(directory)
+    # Two rows, so the exported model keeps a dynamic batch dimension.
+    input_example = recipe.model_input(example).numpy()
+    return best, metrics, tracking.register_model(config, run_id, model, input_example, best.path)
+
+
+def _finish_quietly(config: Config, run_id: str, status: str) -> None:
+    """Mark the MLflow run ended on the way out of a failure, without hiding that failure."""
+    try:
+        tracking.finish_run(config, run_id, status)
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger(__name__).warning("could not mark MLflow run %s %s: %s", run_id, status, e)
 
 
 def resolve(config: Config, job_name: str) -> Config:
@@ -172,10 +244,3 @@ def _connect(verbose: bool) -> None:
     context.print_on_execution_start = verbose
     for noisy in ("ray.data", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
-
-
-def _input_example(recipe: recipes.Recipe, val: ray.data.Dataset):
-    """Two validation rows as the model sees them: the MLflow input example (batch > 1 keeps the
-    exported model's batch dimension dynamic)."""
-    batch = {k: torch.from_numpy(v.copy()) for k, v in val.take_batch(2, batch_format="numpy").items()}
-    return recipe.model_input(batch).numpy()

@@ -13,7 +13,7 @@ import math
 import random
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import ray.train
@@ -25,6 +25,17 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data
 from raytrain_ddp.config import Config, TrainSettings
 from raytrain_ddp.recipe import Recipe
+
+
+# What every report carries besides the recipe's `val_<name>` metrics.
+TRAIN_METRICS = (
+    "epoch", "step", "lr", "train_loss", "train_rows", "train_rows_per_worker", "train_batches", "epoch_time_s",
+)
+
+
+def reported_metrics(val_names: Iterable[str]) -> set[str]:
+    """The keys of every report, given the names the recipe's `evaluate` returns."""
+    return {*TRAIN_METRICS, "val_rows", "val_rows_per_worker", *(f"val_{name}" for name in val_names)}
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,27 @@ def test_the_demo_trains_registers_and_prints_a_summary(tmp_path):
 
     [version] = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_model_versions("name = 'digits-resnet18'")
     assert int(version.version) == 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_marks_it_killed_and_registers_nothing(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    process = subprocess.Popen(
+        [CLI, "train", "digits", "train.epochs=20", "run.name=stopped"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    for line in process.stdout:  # wait until training is under way
+        if line.startswith("epoch   1/20"):
+            break
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+
+    assert process.returncode == 130, err[-3000:]
+    assert "interrupted: run stopped was interrupted" in err and "resume: raytrain-ddp train digits run.name=stopped" in err
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    [stopped] = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    assert stopped.info.status == "KILLED"
+    assert client.search_registered_models() == []
+    assert (tmp_path / "runs" / "stopped" / "epoch_0001" / "manifest.json").is_file()  # the work so far is kept

@@ -14,7 +14,8 @@ import torch
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import load_config
+from raytrain_ddp.config import ConfigError, load_config
+from raytrain_ddp.loop import reported_metrics
 
 # Constant LR so that "2 epochs, then 2 more" follows the same schedule as "4 epochs" (a cosine
 # schedule's length depends on the total). Checkpoints ranked by val_loss: accuracy (k/360) ties.
@@ -29,10 +30,16 @@ DIGITS_TRAIN_ROWS, DIGITS_VAL_ROWS = 1437, 360
 
 @pytest.fixture(scope="module")
 def straight(ray_session, module_workspace):
+    import mlflow
+
     from raytrain_ddp import run
 
     config = load_config("digits", overrides=module_workspace.overrides(*SETTINGS, "train.epochs=4", "run.name=straight"))
-    return run(config), config
+    notebook_uri = f"sqlite:///{module_workspace.root / 'notebook.db'}"  # as if a notebook had its own
+    mlflow.set_tracking_uri(notebook_uri)
+    summary = run(config)
+    assert mlflow.get_tracking_uri() == notebook_uri, "run() must leave the caller's MLflow tracking URI alone"
+    return summary, config
 
 
 def test_each_worker_trains_on_half_of_the_rows_every_epoch(straight):
@@ -77,7 +84,11 @@ def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(
     )
     assert run.info.status == "FINISHED" and run.info.run_id == summary.mlflow_run_id
     assert run.data.params["train.epochs"] == "4" and run.data.params["scaling.num_workers"] == "2"
-    assert sorted(_metric_history(summary, "val_accuracy")) == [1, 2, 3, 4]
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    # Logged as each epoch was reported, not all at the end: an epoch takes seconds here.
+    logged_at = sorted(m.timestamp for m in history)
+    assert all(later - earlier > 1000 for earlier, later in zip(logged_at, logged_at[1:]))
     [version] = client.search_model_versions("name = 'digits-resnet18'")
     assert int(version.version) == summary.model.version == 1 and version.run_id == run.info.run_id
     assert summary.model.uri == "models:/digits-resnet18/1"
@@ -116,20 +127,51 @@ def test_resume_continues_exactly_where_the_run_stopped(straight, module_workspa
     torch.testing.assert_close(resumed_weights, straight_weights, rtol=0, atol=0)
 
 
-def test_a_failing_fit_raises_and_registers_nothing(ray_session, workspace):
+def test_every_report_carries_the_metrics_the_driver_checks_against(straight):
+    summary, _ = straight
+    assert set(summary.final_metrics) == reported_metrics(["loss", "accuracy"])
+
+
+def test_a_resume_that_would_change_the_computation_is_refused_before_training(straight, module_workspace):
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ddp import run
+
+    summary, config = straight
+    changed = config.with_overrides("train.lr=0.01", "scaling.num_workers=1", "train.epochs=5")
+    with pytest.raises(ConfigError) as refused:
+        run(changed)
+    assert [p.split(":")[0] for p in refused.value.problems] == ["scaling.num_workers", "train.lr"]
+    assert "was 0.002 when the run started, now 0.01" in str(refused.value)  # train.epochs may change
+    assert sorted(p.name for p in Path(summary.run_path).glob("epoch_*"))[-1] == "epoch_0004"
+    client = MlflowClient(summary.tracking_uri)
+    assert client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
+    assert len(client.search_model_versions(f"run_id = '{summary.mlflow_run_id}'")) == 1
+
+
+def test_a_score_metric_the_loop_never_reports_is_refused_before_training(ray_session, workspace):
+    from raytrain_ddp import run
+
+    config = load_config("digits", overrides=workspace.overrides("checkpoint.score_attribute=val_f1"))
+    with pytest.raises(ConfigError, match=r"'val_f1' is not a reported metric; choose one of: .*val_accuracy"):
+        run(config)
+    assert not workspace.storage.exists()
+    assert not (workspace.root / "mlflow.db").exists()
+
+
+def test_a_diverging_fit_raises_and_registers_nothing(ray_session, workspace):
     from mlflow.tracking import MlflowClient
 
     from raytrain_ddp import RunFailed, run
 
-    config = load_config(
-        "digits", overrides=workspace.overrides("train.epochs=1", "run.name=doomed", "checkpoint.score_attribute=val_f1")
-    )
-    with pytest.raises(RunFailed, match=r"checkpoint.score_attribute='val_f1' is not a reported metric"):
+    job = str(Path(__file__).parent / "jobs" / "exploding.py")
+    config = load_config(job, overrides=workspace.overrides("train.epochs=2", "run.name=doomed"))
+    with pytest.raises(RunFailed, match=r"training loss is (inf|nan) in epoch 1"):
         run(config)
     client = MlflowClient(workspace.tracking_uri)
-    [failed] = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
+    [failed] = client.search_runs([client.get_experiment_by_name("exploding").experiment_id])
     assert failed.info.status == "FAILED"
-    assert client.search_model_versions("name = 'digits-resnet18'") == []
+    assert client.search_registered_models() == []
 
 
 def _metric_history(summary, key: str) -> dict[int, float]:
