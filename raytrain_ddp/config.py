@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -147,8 +147,7 @@ class Config(_Section):
 
     def with_overrides(self, *overrides: str) -> "Config":
         """A copy with `key.sub=value` overrides applied and validated."""
-        layers = [_Layer("config", self.to_dict())] + [_Layer("command line", _parse_override(o)) for o in overrides]
-        return _validate(self.job, layers)
+        return _validate(self.job, [_Layer("config", self.to_dict()), *_override_layers(self.job, overrides)])
 
 
 # Keys a resumed run may change: they do not change what is computed, only how long, where, and what
@@ -194,11 +193,19 @@ def load_config(job: str, *, config_file: str | Path | None = None, overrides: S
     except recipes.RecipeError as e:
         raise ConfigError(job, [str(e)]) from None
     layers = [_Layer("defaults", {"job": job})]
-    if files.yaml is not None:
-        layers.append(_Layer(str(files.yaml), _read_yaml(files.yaml)))
-    if config_file is not None:
-        layers.append(_Layer(str(config_file), _read_yaml(Path(config_file))))
-    problems = []
+    for path in (files.yaml, config_file):
+        if path is not None:
+            layers.append(_Layer(str(path), _read_yaml(job, Path(path))))
+    return _validate(job, [*layers, *_override_layers(job, overrides)])
+
+
+class _Layer(NamedTuple):
+    source: str  # where the values came from, for error messages
+    data: dict[str, Any]
+
+
+def _override_layers(job: str, overrides: Sequence[str]) -> list[_Layer]:
+    layers, problems = [], []
     for override in overrides:
         try:
             layers.append(_Layer("command line", _parse_override(override)))
@@ -206,14 +213,7 @@ def load_config(job: str, *, config_file: str | Path | None = None, overrides: S
             problems.append(str(e))
     if problems:
         raise ConfigError(job, problems)
-    return _validate(job, layers)
-
-
-class _Layer:
-    def __init__(self, source: str, data: Any):
-        if not isinstance(data, dict):
-            raise ConfigError("?", [f"{source}: must be a mapping of keys to values, got {type(data).__name__}"])
-        self.source, self.data = source, data
+    return layers
 
 
 def _validate(job: str, layers: Sequence[_Layer]) -> Config:
@@ -265,26 +265,23 @@ def _flatten(data: Any, path: tuple = ()):
 def _describe(err: dict, sources: dict, prefix: tuple = (), schema: type[BaseModel] = Config) -> str:
     loc = prefix + tuple(str(p) for p in err["loc"])
     key = ".".join(loc)
-    where = _source_of(loc, sources)
+    source = _source_of(loc, sources)
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc[len(prefix) : -1], schema)
         hint = difflib.get_close_matches(loc[-1], allowed, n=1)
         did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
-        return f"{key}: unknown key{where}; allowed keys here: {', '.join(allowed) or '(none)'}{did_you_mean}"
+        return f"{key}: unknown key (from {source}); allowed keys here: {', '.join(allowed) or '(none)'}{did_you_mean}"
     if err["type"] == "missing":
         return f"{key}: required, but no layer sets it"
     message = err["msg"].removeprefix("Value error, ")
     if isinstance(err.get("input"), Mapping):  # a check across a section's keys: the message names them
         return f"{key}: {message}"
-    got = f" (got {err['input']!r}{where.replace(' (', ', ').rstrip(')')})" if "input" in err else where
-    return f"{key}: {message}{got}"
+    return f"{key}: {message} (got {err['input']!r}, from {source})"
 
 
 def _source_of(loc: tuple, sources: dict) -> str:
-    for n in range(len(loc), 0, -1):
-        if loc[:n] in sources:
-            return f" (from {sources[loc[:n]]})"
-    return ""
+    """The layer that set `loc` (or the nearest mapping above it)."""
+    return next((sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), "defaults")
 
 
 def _allowed_keys(loc: tuple, schema: Any) -> list[str]:
@@ -296,13 +293,16 @@ def _allowed_keys(loc: tuple, schema: Any) -> list[str]:
     return []
 
 
-def _read_yaml(path: Path) -> Any:
+def _read_yaml(job: str, path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(str(path), [f"{path}: no such config file"])
+        raise ConfigError(job, [f"{path}: no such config file"])
     try:
-        return yaml.load(path.read_text(), Loader=_Loader) or {}
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(str(path), [f"{path}: not valid YAML: {e}"]) from None
+        raise ConfigError(job, [f"{path}: not valid YAML: {e}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(job, [f"{path}: must be a mapping of keys to values, got {type(data).__name__}"])
+    return data
 
 
 def _parse_override(override: str) -> dict[str, Any]:

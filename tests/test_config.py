@@ -110,6 +110,11 @@ def test_malformed_overrides_files_and_jobs_are_named(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("train: [unclosed\n")
     assert "not valid YAML" in problems(config_file=broken)[0]
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- train.epochs: 2\n")
+    assert "must be a mapping of keys to values, got list" in problems(config_file=listed)[0]
+    with pytest.raises(ConfigError, match="expected key.sub=value"):
+        load_config("digits").with_overrides("train.epochs")
     unknown = problems(job="no_such_job")[0]
     assert "unknown job 'no_such_job'" in unknown and "digits" in unknown
 
