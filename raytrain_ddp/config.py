@@ -145,6 +145,11 @@ class Config(_Section):
         """`{"train.lr": 0.001, ...}`: the config as MLflow params."""
         return {".".join(path): value for path, value in _flatten(self.to_dict())}
 
+    def overrides_against(self, base: "Config") -> list[str]:
+        """The `key=value` overrides that turn `base` into this config."""
+        before = base.flat()
+        return [f"{key}={_yaml_value(value)}" for key, value in self.flat().items() if before.get(key) != value]
+
     def with_overrides(self, *overrides: str) -> "Config":
         """A copy with `key.sub=value` overrides applied and validated."""
         return _validate(self.job, [_Layer("config", self.to_dict()), *_override_layers(self.job, overrides)])
@@ -316,6 +321,10 @@ def _parse_override(override: str) -> dict[str, Any]:
     for part in reversed(key.strip().split(".")):
         value = {part: value}
     return value
+
+
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
 class _Loader(yaml.SafeLoader):

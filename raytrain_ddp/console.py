@@ -87,10 +87,11 @@ def print_summary(console: Console, summary: "RunSummary") -> None:
         ("model URI", summary.model.uri),
         ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
         ("MLflow UI", summary.ui_command),
-        ("resume / extend", summary.resume_command),
+        ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
     ]
     minutes, seconds = divmod(round(summary.wall_time_s), 60)
-    console.print(f"\n[bold]{summary.run_name}[/] finished: {summary.epochs} epochs in {minutes}m {seconds:02d}s")
+    epochs = f"{summary.epochs} epoch{'s' if summary.epochs != 1 else ''}"
+    console.print(f"\n[bold]{summary.run_name}[/] finished: {epochs} in {minutes}m {seconds:02d}s")
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         console.print(f"  [bold]{key:<{width}}[/]  {value}", soft_wrap=True, highlight=False)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Iterator, Mapping
 
@@ -33,7 +34,9 @@ def check_datasets(datasets: Any, job: str) -> dict[str, ray.data.Dataset]:
 
 
 def dataset_config() -> DataConfig:
-    options = DataConfig.default_ingest_options()  # Ray's defaults (resource limits, ...), plus a fixed order
+    # The context's options (resource limits, ...), plus a fixed order. Copied rather than rebuilt with
+    # DataConfig.default_ingest_options(), which sets a deprecated option and warns on every run.
+    options = copy.deepcopy(ray.data.DataContext.get_current().execution_options)
     options.preserve_order = True
     return DataConfig(datasets_to_split=["train"], execution_options=options)
 

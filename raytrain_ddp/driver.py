@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import shlex
 import signal
 import threading
 import time
@@ -28,7 +29,7 @@ from rich.console import Console
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import console as ui
 from raytrain_ddp import data, recipe as recipes, tracking
-from raytrain_ddp.config import Config, ConfigError, resume_conflicts
+from raytrain_ddp.config import Config, ConfigError, load_config, resume_conflicts
 from raytrain_ddp.loop import reported_metrics, train_loop_per_worker
 
 
@@ -53,7 +54,7 @@ class RunSummary:
     mlflow_run_id: str
     tracking_uri: str
     ui_command: str
-    resume_command: str
+    extend_command: str  # resumes the run with train.epochs=N: train it longer
     wall_time_s: float
 
 
@@ -82,7 +83,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     )
 
     run_id = tracking.start_run(config)
-    resume = f"raytrain-ddp train {config.job} run.name={config.run.name}"
+    resume = _resume_command(config, recipe.name)
     try:
         result = _fit(config, recipe, datasets, steps, run_id, console)
         epochs = int(result.metrics["epoch"]) if result.metrics else 0
@@ -91,11 +92,13 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         with console.status("Registering the best checkpoint's model in MLflow…"):
             best, best_metrics, registered = _register_best(config, recipe, result, run_id, example)
     except BaseException as e:
+        # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
+        # as SystemExit or KeyboardInterrupt, depending on when it lands.
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted))
         _finish_quietly(config, run_id, "KILLED" if interrupted else "FAILED")
+        what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})" if interrupted else f"failed: {e}"
         kind = RunInterrupted if interrupted else RunFailed
-        raise kind(f"run {config.run.name} {'was interrupted' if interrupted else 'failed'}: {e}\n"
-                   f"checkpoints so far: {run_path}\nresume: {resume}") from e
+        raise kind(f"run {config.run.name} {what}\ncheckpoints so far: {run_path}\nresume: {resume}") from e
     tracking.finish_run(config, run_id, "FINISHED")
 
     summary = RunSummary(
@@ -110,11 +113,22 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         mlflow_run_id=run_id,
         tracking_uri=config.mlflow.tracking_uri,
         ui_command=tracking.ui_command(config.mlflow.tracking_uri),
-        resume_command=f"{resume} train.epochs=<more than {config.train.epochs}>",
+        extend_command=_resume_command(config, recipe.name, epochs="N"),
         wall_time_s=time.monotonic() - started,
     )
     ui.print_summary(console, summary)
     return summary
+
+
+def _resume_command(config: Config, job_name: str, *, epochs: str | None = None) -> str:
+    """The command that continues this run: its name, and every setting that differs from the job's
+    own YAML (a resumed run must keep them), resolved as from the current directory; `epochs`, if
+    given, replaces train.epochs."""
+    base = resolve(load_config(config.job).with_overrides(f"run.name={config.run.name}"), job_name)
+    overrides = config.overrides_against(base)
+    if epochs is not None:
+        overrides = [o for o in overrides if not o.startswith("train.epochs=")] + [f"train.epochs={epochs}"]
+    return shlex.join(["raytrain-ddp", "train", config.job, f"run.name={config.run.name}", *overrides])
 
 
 def _check_before_training(config: Config, recipe: recipes.Recipe, example: dict, run_path: str) -> int:
