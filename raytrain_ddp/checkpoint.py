@@ -9,7 +9,7 @@ A checkpoint is a directory:
     manifest.json   size and sha256 of each file above; written last, so no manifest = not a checkpoint
 
 Tensors load with `torch.load(weights_only=True)`: reading a checkpoint never unpickles arbitrary
-objects. Every reader verifies the manifest first.
+objects. Reading starts with `open_verified`, which checks the manifest once.
 """
 
 from __future__ import annotations
@@ -81,24 +81,29 @@ def verify(directory: str | Path) -> None:
             raise CheckpointError(f"{directory}: {name} does not match its checksum (truncated or modified)")
 
 
-def load_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Verified:
+    """A checkpoint directory whose manifest has been checked: its parts can be read."""
+
+    directory: Path
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.directory / MODEL_FILE, map_location="cpu", weights_only=True)
+
+    def training_state(self) -> TrainingState:
+        return TrainingState(**torch.load(self.directory / STATE_FILE, map_location="cpu", weights_only=True))
+
+    def config(self) -> dict[str, Any]:
+        return json.loads((self.directory / CONFIG_FILE).read_text())
+
+    def metrics(self) -> dict[str, Any]:
+        return json.loads((self.directory / METRICS_FILE).read_text())
+
+
+def open_verified(directory: str | Path) -> Verified:
+    """Check the manifest once, then read any part: the only way this module reads a checkpoint."""
     verify(directory)
-    return torch.load(Path(directory) / MODEL_FILE, map_location="cpu", weights_only=True)
-
-
-def load_training_state(directory: str | Path) -> TrainingState:
-    verify(directory)
-    return TrainingState(**torch.load(Path(directory) / STATE_FILE, map_location="cpu", weights_only=True))
-
-
-def load_config(directory: str | Path) -> dict[str, Any]:
-    verify(directory)
-    return json.loads((Path(directory) / CONFIG_FILE).read_text())
-
-
-def load_metrics(directory: str | Path) -> dict[str, Any]:
-    verify(directory)
-    return json.loads((Path(directory) / METRICS_FILE).read_text())
+    return Verified(Path(directory))
 
 
 def rng_state() -> dict[str, Any]:

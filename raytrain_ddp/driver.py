@@ -151,8 +151,9 @@ def _check_before_training(config: Config, recipe: recipes.Recipe, example: dict
     latest = _latest_checkpoint(run_path)
     if latest is not None:
         with latest.as_directory() as directory:
-            conflicts = resume_conflicts(ckpt.load_config(directory), config)
-            epochs_done = ckpt.load_metrics(directory)["epoch"]
+            saved = ckpt.open_verified(directory)
+            conflicts = resume_conflicts(saved.config(), config)
+            epochs_done = saved.metrics()["epoch"]
         problems += [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
     if problems:
         raise ConfigError(config.job, problems)
@@ -214,8 +215,9 @@ def _register_best(config: Config, recipe: recipes.Recipe, result, run_id: str, 
     best = result.get_best_checkpoint(config.checkpoint.score_attribute, config.checkpoint.score_order)
     model = recipe.build_model(**config.model)
     with best.as_directory() as directory:
-        model.load_state_dict(ckpt.load_model_state(directory))
-        metrics = ckpt.load_metrics(directory)
+        saved = ckpt.open_verified(directory)
+        model.load_state_dict(saved.model_state())
+        metrics = saved.metrics()
     # Two rows, so the exported model keeps a dynamic batch dimension.
     input_example = recipe.model_input(example).numpy()
     return best, metrics, tracking.register_model(config, run_id, model, input_example, best.path)

@@ -58,8 +58,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     latest = ray.train.get_checkpoint()
     if latest is not None:
         with latest.as_directory() as directory:
-            model.load_state_dict(ckpt.load_model_state(directory))
-            state = ckpt.load_training_state(directory)
+            saved = ckpt.open_verified(directory)
+            model.load_state_dict(saved.model_state())
+            state = saved.training_state()
         optimizer.load_state_dict(state.optimizer)
         scheduler.load_state_dict(state.scheduler)
         start_epoch, step = state.epoch, state.step

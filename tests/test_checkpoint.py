@@ -42,8 +42,9 @@ def test_round_trip_restores_weights_optimizer_schedule_counters_config_and_metr
     directory, model, optimizer, scheduler = saved
     fresh_model, fresh_optimizer, fresh_scheduler = _parts(seed=1)
 
-    fresh_model.load_state_dict(ckpt.load_model_state(directory))
-    state = ckpt.load_training_state(directory)
+    saved = ckpt.open_verified(directory)
+    fresh_model.load_state_dict(saved.model_state())
+    state = saved.training_state()
     fresh_optimizer.load_state_dict(state.optimizer)
     fresh_scheduler.load_state_dict(state.scheduler)
 
@@ -51,8 +52,8 @@ def test_round_trip_restores_weights_optimizer_schedule_counters_config_and_metr
     torch.testing.assert_close(fresh_optimizer.state_dict()["state"], optimizer.state_dict()["state"])
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
     assert (state.epoch, state.step, len(state.rng)) == (2, 3, 2)
-    assert ckpt.load_config(directory) == {"job": "x", "train": {"epochs": 4}}
-    assert ckpt.load_metrics(directory) == {"val_loss": 0.5}
+    assert saved.config() == {"job": "x", "train": {"epochs": 4}}
+    assert saved.metrics() == {"val_loss": 0.5}
 
 
 def test_every_file_loads_without_unpickling_objects(saved):
@@ -86,7 +87,7 @@ def test_a_damaged_checkpoint_is_refused(saved, damage, says):
     directory = saved[0]
     damage(directory)
     with pytest.raises(ckpt.CheckpointError, match=says):
-        ckpt.load_model_state(directory)
+        ckpt.open_verified(directory)
 
 
 def test_manifest_lists_every_file_with_its_checksum(saved):

@@ -69,8 +69,7 @@ def test_checkpoints_live_under_the_run_and_num_to_keep_holds(straight, module_w
     assert kept == sorted({f"epoch_{best_epoch:04d}", "epoch_0004"})
     assert Path(summary.best_checkpoint) == run_dir / f"epoch_{best_epoch:04d}"
     for directory in run_dir.glob("epoch_*"):
-        ckpt.verify(directory)
-        saved = ckpt.load_config(directory)
+        saved = ckpt.open_verified(directory).config()
         assert saved["run"]["name"] == "straight" and saved["train"] == config.to_dict()["train"]
 
 
@@ -122,8 +121,8 @@ def test_resume_continues_exactly_where_the_run_stopped(straight, module_workspa
 
     assert resumed.epochs == 4
     assert sorted(_metric_history(resumed, "val_loss")) == [1, 2, 3, 4]  # one MLflow run, continued
-    straight_weights = ckpt.load_model_state(Path(summary.run_path) / "epoch_0004")
-    resumed_weights = ckpt.load_model_state(Path(resumed.run_path) / "epoch_0004")
+    straight_weights = ckpt.open_verified(Path(summary.run_path) / "epoch_0004").model_state()
+    resumed_weights = ckpt.open_verified(Path(resumed.run_path) / "epoch_0004").model_state()
     torch.testing.assert_close(resumed_weights, straight_weights, rtol=0, atol=0)
 
 
