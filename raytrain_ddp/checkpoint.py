@@ -3,7 +3,7 @@
 A checkpoint is a directory:
 
     model.pt        state_dict of the unwrapped model (never the DDP wrapper's)
-    train_state.pt  optimizer and LR-schedule state, epochs and steps done, every rank's RNG state
+    train_state.pt  optimizer, LR-schedule and grad-scaler state, epochs and steps done, every rank's RNG state
     config.json     the resolved run config
     metrics.json    the metrics reported with it
     manifest.json   size and sha256 of each file above; written last, so no manifest = not a checkpoint
@@ -39,8 +39,7 @@ class CheckpointError(RuntimeError):
 class TrainingState:
     epoch: int  # epochs completed
     step: int  # optimizer steps completed
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
+    updater: dict[str, Any]  # optimizer, scheduler and scaler state, from `optim.Updater.state_dict()`
     rng: list[dict[str, Any]]  # one per world rank, from `rng_state()`
 
 

@@ -39,17 +39,37 @@ class TrainSettings(_Section):
     """How each worker optimizes."""
 
     epochs: int = Field(10, ge=1, description="passes over the training set")
-    batch_size: int = Field(64, ge=1, description="rows per step per worker (global batch = batch_size x num_workers)")
+    batch_size: int = Field(64, ge=1, description="rows per micro-batch per worker (global batch = batch_size x num_workers x grad_accum_steps)")
+    grad_accum_steps: int = Field(
+        1, ge=1, description="micro-batches per optimizer step; DDP syncs gradients only on the last (no_sync); 1 = off"
+    )
     drop_last: bool = Field(False, description="drop each worker's last incomplete batch of an epoch")
+    shuffle: bool = Field(True, description="reshuffle the training rows every epoch, seeded by (seed, epoch)")
+    local_shuffle_buffer_size: int = Field(
+        10_000, ge=1, description="Ray Data path: rows in each worker's shuffle buffer (torch Datasets shuffle fully)"
+    )
+    num_loader_workers: int = Field(
+        0, ge=0, description="torch Dataset path: DataLoader worker processes per training worker; 0 = load in the loop"
+    )
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="torch.optim.AdamW or SGD (with momentum)")
     lr: float = Field(1e-3, gt=0, description="peak learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled (AdamW) or L2 (SGD) weight decay; 0 turns it off")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (ignored by AdamW)")
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="per-step schedule over all epochs: constant, or cosine decay to 0"
+    weight_decay: float = Field(
+        0.0, ge=0, description="decoupled (AdamW) or L2 (SGD) decay of weight matrices and kernels (not biases or norms); 0 = off"
     )
-    local_shuffle_buffer_size: int = Field(
-        10_000, ge=0, description="rows in each worker's shuffle buffer, reseeded every epoch; 0 = no shuffle"
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (ignored by AdamW)")
+    lr_schedule: Literal["constant", "cosine", "step"] = Field(
+        "constant",
+        description="per optimizer step, after warmup: constant; cosine decay to 0 at the last step; "
+        "or step (x lr_step_gamma every lr_step_epochs)",
+    )
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup to lr; 0 = off")
+    lr_step_epochs: int = Field(30, ge=1, description="lr_schedule=step: epochs between decays")
+    lr_step_gamma: float = Field(0.1, gt=0, le=1, description="lr_schedule=step: factor applied at each decay")
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="clip gradients to this global L2 norm before each step; null = off"
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="torch.autocast dtype of forward passes; fp16 (GPU only) adds a checkpointed GradScaler"
     )
     eval_batch_size: int = Field(256, ge=1, description="rows per validation batch")
 
@@ -75,13 +95,17 @@ class ScalingSettings(_Section):
 
 
 class DDPSettings(_Section):
-    """Keyword arguments of torch DistributedDataParallel, passed through ray.train.torch.prepare_model."""
+    """Keyword arguments of torch DistributedDataParallel, passed through ray.train.torch.prepare_model,
+    and whether to convert BatchNorm layers to SyncBatchNorm first."""
 
     find_unused_parameters: bool = Field(False, description="tolerate parameters that get no gradient in a step")
     broadcast_buffers: bool = Field(True, description="sync buffers (BatchNorm stats) from rank 0 every forward")
     static_graph: bool = Field(False, description="the graph is the same every step (enables DDP optimizations)")
     gradient_as_bucket_view: bool = Field(False, description="gradients alias the all-reduce buckets (saves memory)")
     bucket_cap_mb: float = Field(25.0, gt=0, description="all-reduce bucket size in MiB")
+    sync_batchnorm: bool = Field(
+        False, description="BatchNorm statistics over the global batch (SyncBatchNorm; torch supports it on GPUs only)"
+    )
 
 
 class CheckpointSettings(_Section):
@@ -134,6 +158,22 @@ class Config(_Section):
     run: RunSettings = Field(default_factory=RunSettings)
     mlflow: MLflowSettings = Field(default_factory=MLflowSettings)
 
+    @model_validator(mode="after")
+    def _runs_on_the_chosen_device(self) -> "Config":
+        if self.scaling.use_gpu:
+            return self
+        if self.train.precision == "fp16":
+            raise ValueError(
+                "train.precision=fp16 needs a GPU (CUDA autocast with a GradScaler); on CPU use bf16 or fp32, "
+                "or set scaling.use_gpu=true"
+            )
+        if self.ddp.sync_batchnorm and self.scaling.num_workers > 1:
+            raise ValueError(
+                "ddp.sync_batchnorm=true needs GPUs (torch's SyncBatchNorm rejects CPU tensors); "
+                "set scaling.use_gpu=true or ddp.sync_batchnorm=false"
+            )
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -161,6 +201,7 @@ class Config(_Section):
 RESUMABLE = (
     "train.epochs",
     "train.eval_batch_size",
+    "train.num_loader_workers",
     "scaling.use_gpu",
     "scaling.resources_per_worker",
     "ddp.bucket_cap_mb",
@@ -270,6 +311,8 @@ def _flatten(data: Any, path: tuple = ()):
 def _describe(err: dict, sources: dict, prefix: tuple = (), schema: type[BaseModel] = Config) -> str:
     loc = prefix + tuple(str(p) for p in err["loc"])
     key = ".".join(loc)
+    if not loc:  # a check across sections: the message names the keys
+        return err["msg"].removeprefix("Value error, ")
     source = _source_of(loc, sources)
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc[len(prefix) : -1], schema)

@@ -73,7 +73,9 @@ class LiveProgress:
             self.best = score
         values = "  ".join(f"{k} [bold]{v:.4f}[/]" for k, v in m.items() if _is_quality_metric(k, v))
         best = "  [green]★ best[/]" if improved else ""
-        self.console.print(f"epoch {m['epoch']:>3}/{self.epochs}  {values}  [dim]{m['epoch_time_s']:.1f}s[/]{best}")
+        self.console.print(
+            f"epoch {m['epoch']:>3}/{self.epochs}  {values}  [dim]{m['epoch_time_s']:.1f}s, {_throughput(m)}[/]{best}"
+        )
         self._status.update(f"Training… epoch {m['epoch']}/{self.epochs} done")
 
 
@@ -81,11 +83,13 @@ def print_summary(console: Console, summary: "RunSummary") -> None:
     best = summary.metrics
     rows = [(f"{k} (global)", f"{v:.4f}") for k, v in best.items() if _is_quality_metric(k, v) and k != "train_loss"]
     rows += [
-        ("validation rows", f"{best.get('val_rows')} (each counted once across {summary.workers} workers)"),
+        ("validation samples", f"{best.get('val_samples')} (each counted once across {summary.workers} workers)"),
+        ("throughput", f"{_throughput(summary.final_metrics)} (last epoch)"),
         ("best checkpoint", f"{summary.best_checkpoint}  (epoch {best.get('epoch')})"),
         ("registered model", f"{summary.model.name}  version {summary.model.version}"),
         ("model URI", summary.model.uri),
         ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
+        *([("artifacts", ", ".join(summary.artifacts))] if summary.artifacts else []),
         ("MLflow UI", summary.ui_command),
         ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
     ]
@@ -99,4 +103,9 @@ def print_summary(console: Console, summary: "RunSummary") -> None:
 
 def _is_quality_metric(key: str, value: Any) -> bool:
     """train_loss and the recipe's val_* metrics; not counts, times or per-worker lists."""
-    return (key == "train_loss" or key.startswith("val_")) and "rows" not in key and isinstance(value, float)
+    return (key == "train_loss" or key.startswith("val_")) and "samples" not in key and isinstance(value, float)
+
+
+def _throughput(m: dict[str, Any]) -> str:
+    tokens = f"{m['tokens_per_s']:,.0f} tokens/s, " if "tokens_per_s" in m else ""
+    return f"{m['samples_per_s']:,.0f} samples/s, {tokens}{m['data_wait_fraction']:.0%} waiting for data"

@@ -1,11 +1,19 @@
-"""Ray Data: which dataset is split how, and how a worker turns its share into torch batches.
+"""The data a worker trains on: a recipe's datasets, how they are split across ranks, and how a rank
+turns its share into torch batches. A recipe returns either Ray Datasets or torch Datasets.
 
+Ray Datasets (the usual way; read and preprocessed by Ray Data, streamed to the workers):
 - `train` is split across the workers (`streaming_split(equal=True)`: the same number of rows each, up
   to world_size - 1 rows dropped an epoch). Its order is a function of (seed, epoch): `preserve_order`
   makes the split deterministic and each worker reshuffles its shard with a seed drawn from
   (seed, epoch, rank), so a resumed run sees exactly the batches an uninterrupted one would.
 - `val` is not split: every worker reads all of it in the same order and evaluates only the batches
   `i` with `i % world_size == rank`, so each row is counted exactly once across ranks.
+
+torch Datasets (map-style, shipped to each worker with the loop): `train` goes through a
+DistributedSampler seeded by (seed), reshuffled per epoch with `set_epoch`, dropping the same tail
+rows as the Ray path; `val` is strided by row, `rank, rank + world_size, ...`, so again each row is
+counted once (a DistributedSampler would pad it with repeats). `prepare_data_loader` moves batches to
+the device, with pinned memory and non-blocking copies on a GPU.
 """
 
 from __future__ import annotations
@@ -16,21 +24,55 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 import ray.data
+import ray.train
+import ray.train.torch
 import torch
 from ray.train import DataConfig
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
+
+from raytrain_ddp.config import TrainSettings
 
 DATASETS = ("train", "val")
+SHUFFLE, WORKER_RNG, LOADER = 0, 1, 2  # the purposes derive_seed serves
 
 
-def check_datasets(datasets: Any, job: str) -> dict[str, ray.data.Dataset]:
-    """The recipe's build_datasets must return exactly {"train": Dataset, "val": Dataset}."""
+def check_datasets(datasets: Any, job: str) -> dict[str, ray.data.Dataset | Dataset]:
+    """build_datasets must return {"train": ..., "val": ...}: both Ray Datasets or both map-style
+    torch Datasets."""
     if not isinstance(datasets, Mapping) or set(datasets) != set(DATASETS):
         got = sorted(datasets) if isinstance(datasets, Mapping) else type(datasets).__name__
         raise TypeError(f"job '{job}': build_datasets must return a dict with keys {list(DATASETS)}, got {got}")
-    for name, ds in datasets.items():
-        if not isinstance(ds, ray.data.Dataset):
-            raise TypeError(f"job '{job}': build_datasets()['{name}'] must be a ray.data.Dataset, got {type(ds).__name__}")
+    kinds = {name: _kind(ds) for name, ds in datasets.items()}
+    if None in kinds.values() or len(set(kinds.values())) != 1:
+        got = ", ".join(f"{name}: {type(ds).__name__}" for name, ds in datasets.items())
+        raise TypeError(
+            f"job '{job}': build_datasets must return two ray.data.Dataset or two map-style torch "
+            f"Datasets (with __len__ and __getitem__), got {got}"
+        )
     return dict(datasets)
+
+
+def _kind(dataset: Any) -> str | None:
+    if isinstance(dataset, ray.data.Dataset):
+        return "ray"
+    if isinstance(dataset, Dataset) and hasattr(dataset, "__len__"):
+        return "torch"
+    return None
+
+
+def is_ray(datasets: Mapping[str, Any]) -> bool:
+    return isinstance(datasets["train"], ray.data.Dataset)
+
+
+def num_rows(dataset: ray.data.Dataset | Dataset) -> int:
+    return dataset.count() if isinstance(dataset, ray.data.Dataset) else len(dataset)
+
+
+def example_batch(dataset: ray.data.Dataset | Dataset, n: int = 2) -> dict[str, torch.Tensor]:
+    """The first `n` rows as a CPU batch: what the pre-flight check and the MLflow signature use."""
+    if isinstance(dataset, ray.data.Dataset):
+        return {k: torch.from_numpy(v.copy()) for k, v in dataset.take_batch(n, batch_format="numpy").items()}
+    return default_collate([dataset[i] for i in range(n)])
 
 
 def dataset_config() -> DataConfig:
@@ -41,8 +83,9 @@ def dataset_config() -> DataConfig:
     return DataConfig(datasets_to_split=["train"], execution_options=options)
 
 
-def steps_per_epoch(train_rows: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    rows = train_rows // world_size  # what streaming_split(equal=True) gives each worker
+def batches_per_epoch(train_rows: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Each worker's batches per epoch: both paths give every worker train_rows // world_size rows."""
+    rows = train_rows // world_size
     return rows // batch_size if drop_last else math.ceil(rows / batch_size)
 
 
@@ -51,32 +94,61 @@ def derive_seed(seed: int, *keys: int) -> int:
     return int(np.random.SeedSequence(seed, spawn_key=keys).generate_state(1)[0])
 
 
-SHUFFLE, WORKER_RNG = 0, 1  # the purposes derive_seed serves
+class WorkerData:
+    """This rank's batches, from the Ray Data shards or from the torch Datasets it was given."""
 
+    def __init__(self, torch_datasets: Mapping[str, Dataset] | None, train: TrainSettings, seed: int):
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.train, self.seed = train, seed
+        if torch_datasets is None:
+            self.train_shard = ray.train.get_dataset_shard("train")
+            self.val_shard = ray.train.get_dataset_shard("val")
+            self.loaders = None
+        else:
+            self.loaders = self._loaders(torch_datasets)
 
-def train_batches(
-    shard: ray.data.DataIterator,
-    *,
-    batch_size: int,
-    drop_last: bool,
-    shuffle_buffer: int,
-    seed: int,
-    epoch: int,
-    rank: int,
-    device: torch.device,
-) -> Iterator[dict[str, torch.Tensor]]:
-    return shard.iter_torch_batches(
-        batch_size=batch_size,
-        drop_last=drop_last,
-        local_shuffle_buffer_size=shuffle_buffer or None,
-        local_shuffle_seed=derive_seed(seed, SHUFFLE, epoch, rank) if shuffle_buffer else None,
-        device=device,
-    )
+    def train_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        t = self.train
+        if self.loaders is not None:
+            loader, sampler, generator = self.loaders["train"]
+            sampler.set_epoch(epoch)
+            generator.manual_seed(derive_seed(self.seed, LOADER, epoch, self.rank))  # DataLoader workers' seeds
+            return iter(loader)
+        shuffle_seed = derive_seed(self.seed, SHUFFLE, epoch, self.rank)
+        return self.train_shard.iter_torch_batches(
+            batch_size=t.batch_size,
+            drop_last=t.drop_last,
+            local_shuffle_buffer_size=t.local_shuffle_buffer_size if t.shuffle else None,
+            local_shuffle_seed=shuffle_seed if t.shuffle else None,
+            device=self.device,
+        )
 
+    def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.loaders is not None:
+            yield from self.loaders["val"]
+            return
+        batches = self.val_shard.iter_torch_batches(batch_size=self.train.eval_batch_size, device=self.device)
+        for i, batch in enumerate(batches):
+            if i % self.world_size == self.rank:
+                yield batch
 
-def val_batches(
-    shard: ray.data.DataIterator, *, batch_size: int, rank: int, world_size: int, device: torch.device
-) -> Iterator[dict[str, torch.Tensor]]:
-    for i, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, device=device)):
-        if i % world_size == rank:
-            yield batch
+    def _loaders(self, datasets: Mapping[str, Dataset]) -> dict[str, Any]:
+        t, pin = self.train, self.device.type == "cuda"
+        sampler = DistributedSampler(
+            datasets["train"], num_replicas=self.world_size, rank=self.rank, shuffle=t.shuffle,
+            seed=derive_seed(self.seed, SHUFFLE), drop_last=True,
+        )
+        generator = torch.Generator()
+        train = DataLoader(
+            datasets["train"], batch_size=t.batch_size, sampler=sampler, drop_last=t.drop_last,
+            num_workers=t.num_loader_workers, generator=generator, pin_memory=pin,
+        )
+        val_rows = Subset(datasets["val"], range(self.rank, len(datasets["val"]), self.world_size))
+        val = DataLoader(val_rows, batch_size=t.eval_batch_size, num_workers=t.num_loader_workers, pin_memory=pin)
+        prepare = ray.train.torch.prepare_data_loader
+        return {
+            "train": (prepare(train, add_dist_sampler=False), sampler, generator),
+            "val": prepare(val, add_dist_sampler=False),
+        }

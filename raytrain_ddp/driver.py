@@ -30,7 +30,9 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import console as ui
 from raytrain_ddp import data, recipe as recipes, tracking
 from raytrain_ddp.config import Config, ConfigError, load_config, resume_conflicts
-from raytrain_ddp.loop import reported_metrics, train_loop_per_worker
+from raytrain_ddp.loop import train_loop_per_worker
+from raytrain_ddp.metrics import reported_metrics
+from raytrain_ddp.optim import optimizer_steps
 
 
 class RunFailed(RuntimeError):
@@ -52,6 +54,7 @@ class RunSummary:
     best_checkpoint: str
     model: tracking.RegisteredModel
     mlflow_run_id: str
+    artifacts: list[str]  # the recipe's text artifacts in the MLflow run
     tracking_uri: str
     ui_command: str
     extend_command: str  # resumes the run with train.epochs=N: train it longer
@@ -70,27 +73,30 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
 
     with console.status("Starting Ray…"):
         _connect(verbose)
-    with console.status("Building datasets with Ray Data…"):
+    with console.status("Building datasets…"):
         datasets = data.check_datasets(recipe.build_datasets(seed=config.seed, **config.dataset), config.job)
-        train_rows = datasets["train"].count()
-        example = {k: torch.from_numpy(v.copy()) for k, v in datasets["val"].take_batch(2, batch_format="numpy").items()}
+        train_rows = data.num_rows(datasets["train"])
+        example = data.example_batch(datasets["val"])
     epochs_done = _check_before_training(config, recipe, example, run_path)
-    steps = data.steps_per_epoch(train_rows, config.scaling.num_workers, config.train.batch_size, config.train.drop_last)
+    t = config.train
+    batches = data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last)
+    accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
     resuming = f", resuming after epoch {epochs_done}" if epochs_done else ""
     console.print(
         f"[bold]{config.run.name}[/]: job {recipe.name}, {config.scaling.num_workers} workers × batch "
-        f"{config.train.batch_size}, {train_rows} training rows ({steps} steps/epoch){resuming}, checkpoints in {run_path}"
+        f"{t.batch_size}{accumulation}, {train_rows} training rows "
+        f"({optimizer_steps(batches, t.grad_accum_steps)} steps/epoch){resuming}, checkpoints in {run_path}"
     )
 
     run_id = tracking.start_run(config)
     resume = _resume_command(config, recipe.name)
     try:
-        result = _fit(config, recipe, datasets, steps, run_id, console)
+        result = _fit(config, recipe, datasets, batches, run_id, console)
         epochs = int(result.metrics["epoch"]) if result.metrics else 0
         if epochs < config.train.epochs:  # how an aborted fit() returns: no error, fewer epochs
             raise RunInterrupted(f"stopped after epoch {epochs} of {config.train.epochs}")
         with console.status("Registering the best checkpoint's model in MLflow…"):
-            best, best_metrics, registered = _register_best(config, recipe, result, run_id, example)
+            best, best_metrics, registered, artifacts = _register_best(config, recipe, result, run_id, example)
     except BaseException as e:
         # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
         # as SystemExit or KeyboardInterrupt, depending on when it lands.
@@ -111,6 +117,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         best_checkpoint=best.path,
         model=registered,
         mlflow_run_id=run_id,
+        artifacts=sorted(artifacts),
         tracking_uri=config.mlflow.tracking_uri,
         ui_command=tracking.ui_command(config.mlflow.tracking_uri),
         extend_command=_resume_command(config, recipe.name, epochs="N"),
@@ -142,7 +149,7 @@ def _check_before_training(config: Config, recipe: recipes.Recipe, example: dict
         val_names = recipe.evaluate(model, example).keys()
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
         problems.append(f"recipe {recipe.name}: compute_loss must return a scalar tensor, got {loss!r:.80}")
-    reported = reported_metrics(val_names)
+    reported = reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)
     if config.checkpoint.score_attribute not in reported:
         problems.append(
             f"checkpoint.score_attribute: {config.checkpoint.score_attribute!r} is not a reported metric; "
@@ -169,7 +176,8 @@ def _latest_checkpoint(run_path: str) -> ray.train.Checkpoint | None:
         return None
 
 
-def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, steps: int, run_id: str, console: Console):
+def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, run_id: str, console: Console):
+    ray_data = data.is_ray(datasets)
     progress = ui.LiveProgress(
         console,
         epochs=config.train.epochs,
@@ -179,7 +187,12 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, steps: int, run
     )
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "recipe": recipe, "steps_per_epoch": steps},
+        train_loop_config={
+            "config": config.to_dict(),
+            "recipe": recipe,
+            "batches_per_epoch": batches,
+            "torch_datasets": None if ray_data else datasets,  # shipped to every worker with the loop
+        },
         scaling_config=ScalingConfig(
             num_workers=config.scaling.num_workers,
             use_gpu=config.scaling.use_gpu,
@@ -196,7 +209,7 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, steps: int, run
             failure_config=FailureConfig(max_failures=config.run.max_failures),
             callbacks=[tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id), progress.relay],
         ),
-        datasets=datasets,
+        datasets=datasets if ray_data else None,
         dataset_config=data.dataset_config(),
     )
     sigint = signal.getsignal(signal.SIGINT)
@@ -220,7 +233,13 @@ def _register_best(config: Config, recipe: recipes.Recipe, result, run_id: str, 
         metrics = saved.metrics()
     # Two rows, so the exported model keeps a dynamic batch dimension.
     input_example = recipe.model_input(example).numpy()
-    return best, metrics, tracking.register_model(config, run_id, model, input_example, best.path)
+    registered = tracking.register_model(config, run_id, model, input_example, best.path)
+    artifacts = {}
+    if recipe.artifacts is not None:
+        with torch.no_grad():
+            artifacts = recipe.artifacts(model.eval())
+        tracking.log_texts(config, run_id, artifacts)
+    return best, metrics, registered, artifacts
 
 
 def _finish_quietly(config: Config, run_id: str, status: str) -> None:

@@ -13,7 +13,7 @@ import math
 import random
 import tempfile
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import ray.train
@@ -23,35 +23,24 @@ import torch.distributed as dist
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data
-from raytrain_ddp.config import Config, TrainSettings
+from raytrain_ddp.config import Config, DDPSettings
+from raytrain_ddp.metrics import EpochMeter, all_gather, combine
+from raytrain_ddp.optim import Updater
 from raytrain_ddp.recipe import Recipe
-
-
-# What every report carries besides the recipe's `val_<name>` metrics.
-TRAIN_METRICS = (
-    "epoch", "step", "lr", "train_loss", "train_rows", "train_rows_per_worker", "train_batches", "epoch_time_s",
-)
-
-
-def reported_metrics(val_names: Iterable[str]) -> set[str]:
-    """The keys of every report, given the names the recipe's `evaluate` returns."""
-    return {*TRAIN_METRICS, "val_rows", "val_rows_per_worker", *(f"val_{name}" for name in val_names)}
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = Config.from_dict(loop_config["config"])
     recipe: Recipe = loop_config["recipe"]
-    steps_per_epoch: int = loop_config["steps_per_epoch"]
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device()
+    rank = ray.train.get_context().get_world_rank()
+    worker_data = data.WorkerData(loop_config["torch_datasets"], config.train, config.seed)
+    device = worker_data.device
 
-    # 1. Build the same model on every rank, wrap it in DDP, then the optimizer and LR schedule.
+    # 1. Build the same model on every rank, wrap it in DDP, then optimizer, schedule and precision.
     torch.manual_seed(config.seed)
     model = recipe.build_model(**config.model)
-    ddp_model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=config.ddp.model_dump())
-    optimizer = _optimizer(model, config.train)
-    scheduler = _lr_schedule(optimizer, config.train, steps_per_epoch)
+    ddp_model = wrap_model(model, config.ddp)
+    updater = Updater(model, ddp_model, config.train, loop_config["batches_per_epoch"], device)
 
     # 2. Resume from this run's latest checkpoint, or seed this rank's own random stream.
     start_epoch, step = 0, 0
@@ -61,12 +50,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             saved = ckpt.open_verified(directory)
             model.load_state_dict(saved.model_state())
             state = saved.training_state()
-        optimizer.load_state_dict(state.optimizer)
-        scheduler.load_state_dict(state.scheduler)
+        updater.load_state_dict(state.updater)
         start_epoch, step = state.epoch, state.step
-        if len(state.rng) != world_size:
+        if len(state.rng) != worker_data.world_size:
             raise RuntimeError(
-                f"checkpoint was written by {len(state.rng)} workers, this run has {world_size}; "
+                f"checkpoint was written by {len(state.rng)} workers, this run has {worker_data.world_size}; "
                 f"resume with scaling.num_workers={len(state.rng)} or start a new run"
             )
         ckpt.set_rng_state(state.rng[rank])
@@ -74,76 +62,59 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank))
 
     # 3. Train: one report per epoch from every rank, with rank 0's checkpoint.
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
     for epoch in range(start_epoch, config.train.epochs):
         started = time.perf_counter()
-        batches = data.train_batches(
-            train_shard,
-            batch_size=config.train.batch_size,
-            drop_last=config.train.drop_last,
-            shuffle_buffer=config.train.local_shuffle_buffer_size,
-            seed=config.seed,
-            epoch=epoch,
-            rank=rank,
-            device=device,
-        )
+        meter = EpochMeter()
         ddp_model.train()
-        loss_sum, rows, batch_count = 0.0, 0, 0
-        for batch in batches:
-            loss = recipe.compute_loss(ddp_model, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            loss_sum += loss.detach() * _rows(batch)
-            rows += _rows(batch)
-            batch_count += 1
-        train = _all_gather({"loss": float(loss_sum), "rows": rows, "batches": batch_count})
-        train_loss = sum(p["loss"] for p in train) / max(sum(p["rows"] for p in train), 1)
-        if not math.isfinite(train_loss):
-            raise FloatingPointError(f"training loss is {train_loss} in epoch {epoch + 1}; lower train.lr?")
+        for i, batch in enumerate(meter.timed(worker_data.train_batches(epoch))):
+            with updater.sync(i), updater.autocast():
+                loss = recipe.compute_loss(ddp_model, batch)
+            updater.backward(loss, i)
+            meter.add_batch(loss, _rows(batch), recipe.count_tokens(batch) if recipe.count_tokens else None)
+            if updater.ready(i):
+                meter.add_step(updater.step())
+                step += 1
+        train = combine(meter, recipe.count_tokens is not None, device)
+        if not math.isfinite(train["train_loss"]):
+            raise FloatingPointError(f"training loss is {train['train_loss']} in epoch {epoch + 1}; lower train.lr?")
 
-        with _rank0_buffers(model, keep_own=not config.ddp.broadcast_buffers):
-            val = evaluate(model, recipe, val_shard, config.train.eval_batch_size, rank, world_size, device)
+        with _rank0_buffers(model, keep_own=not config.ddp.broadcast_buffers), updater.autocast():
+            val = evaluate(model, recipe, worker_data.val_batches())
 
         metrics = {
             "epoch": epoch + 1,
             "step": step,
-            "lr": scheduler.get_last_lr()[0],
-            "train_loss": train_loss,
-            "train_rows": sum(p["rows"] for p in train),
-            "train_rows_per_worker": [p["rows"] for p in train],
-            "train_batches": sum(p["batches"] for p in train),
+            "lr": updater.lr,
+            **train,
             **{f"val_{name}": value for name, value in val.items()},
             "epoch_time_s": time.perf_counter() - started,
         }
         _check_score(metrics, config.checkpoint.score_attribute)
-        _report(metrics, model, optimizer, scheduler, step, loop_config["config"], rank, epoch)
+        state = ckpt.TrainingState(epoch + 1, step, updater.state_dict(), rng=all_gather(ckpt.rng_state()))
+        _report(metrics, model, state, loop_config["config"], rank)
 
 
-def evaluate(
-    model: torch.nn.Module,
-    recipe: Recipe,
-    shard: ray.data.DataIterator,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-) -> dict[str, Any]:
-    """Global validation: the mean of each recipe metric over all ranks' rows, plus `rows` (every
-    validation row, each counted once across ranks) and `rows_per_worker`."""
+def wrap_model(model: torch.nn.Module, ddp: DDPSettings) -> torch.nn.Module:
+    """DDP with the configured keyword arguments (after SyncBatchNorm conversion, if asked for).
+    `model` stays the unwrapped module: converted BatchNorm layers keep the same state_dict keys."""
+    if ddp.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp.model_dump(exclude={"sync_batchnorm"}))
+
+
+def evaluate(model: torch.nn.Module, recipe: Recipe, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Global validation: the mean of each recipe metric over all ranks' rows, plus `samples` (every
+    validation row, each counted once across ranks) and `samples_per_worker`."""
     model.eval()
     rows, sums = 0, {}
     with torch.no_grad():
-        for batch in data.val_batches(shard, batch_size=batch_size, rank=rank, world_size=world_size, device=device):
+        for batch in batches:
             for name, (total, count) in recipe.evaluate(model, batch).items():
                 s, n = sums.get(name, (0.0, 0))
                 sums[name] = (s + float(total), n + int(count))
             rows += _rows(batch)
-    parts = _all_gather((rows, sums))  # a rank that saw no batch still takes part
-    metrics: dict[str, Any] = {"rows": sum(r for r, _ in parts), "rows_per_worker": [r for r, _ in parts]}
+    parts = all_gather((rows, sums))  # a rank that saw no batch still takes part
+    metrics: dict[str, Any] = {"samples": sum(r for r, _ in parts), "samples_per_worker": [r for r, _ in parts]}
     for name in sorted({name for _, part in parts for name in part}):
         total = sum(part[name][0] for _, part in parts if name in part)
         count = sum(part[name][1] for _, part in parts if name in part)
@@ -151,28 +122,13 @@ def evaluate(
     return metrics
 
 
-def _report(metrics, model, optimizer, scheduler, step, config_dict, rank, epoch) -> None:
-    rng = _all_gather(ckpt.rng_state())  # every rank's stream, so a resume continues each one
+def _report(metrics: dict[str, Any], model: torch.nn.Module, state: ckpt.TrainingState, config: dict, rank: int) -> None:
     with tempfile.TemporaryDirectory() as directory:
         checkpoint = None
         if rank == 0:
-            state = ckpt.TrainingState(epoch + 1, step, optimizer.state_dict(), scheduler.state_dict(), rng)
-            ckpt.save(directory, model=model, state=state, config=config_dict, metrics=metrics)
+            ckpt.save(directory, model=model, state=state, config=config, metrics=metrics)
             checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"epoch_{epoch + 1:04d}")
-
-
-def _optimizer(model: torch.nn.Module, train: TrainSettings) -> torch.optim.Optimizer:
-    if train.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-
-
-def _lr_schedule(optimizer: torch.optim.Optimizer, train: TrainSettings, steps_per_epoch: int):
-    total = max(1, train.epochs * steps_per_epoch)
-    if train.lr_schedule == "cosine":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"epoch_{state.epoch:04d}")
 
 
 @contextlib.contextmanager
@@ -192,14 +148,6 @@ def _rank0_buffers(model: torch.nn.Module, keep_own: bool) -> Iterator[None]:
     finally:
         for buffer, saved in zip(model.buffers(), own):
             buffer.copy_(saved)
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def _check_score(metrics: dict[str, Any], score_attribute: str) -> None:

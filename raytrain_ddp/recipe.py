@@ -4,10 +4,16 @@ A job is a pair in `jobs/`: `<name>.py` (the recipe) and `<name>.yaml` (its conf
 plain functions with keyword-only arguments:
 
     build_model(**model) -> torch.nn.Module
-    build_datasets(*, seed, **dataset) -> {"train": ray.data.Dataset, "val": ray.data.Dataset}
+    build_datasets(*, seed, **dataset) -> {"train": ..., "val": ...}   # two ray.data.Dataset (streamed
+                                                           # by Ray Data) or two map-style torch Datasets
     compute_loss(model, batch) -> scalar tensor            # the training objective, mean over the batch
     evaluate(model, batch) -> {name: (sum, count)}         # validation sums; the service all-reduces them
     model_input(batch) -> tensor                           # what the model's forward takes (for MLflow)
+
+and, optionally:
+
+    count_tokens(batch) -> int                             # tokens in a batch: reports tokens/s
+    artifacts(model) -> {file name: text}                  # logged to MLflow with the registered model
 
 The YAML's `model:` and `dataset:` mappings are those keyword arguments, validated against the
 signatures (types, and pydantic constraints such as `Annotated[float, Field(gt=0, lt=1)]`) before Ray
@@ -28,6 +34,7 @@ import ray.cloudpickle
 from pydantic import BaseModel, ConfigDict, create_model
 
 REQUIRED = ("build_model", "build_datasets", "compute_loss", "evaluate", "model_input")
+OPTIONAL = ("count_tokens", "artifacts")
 JOBS_DIR = "jobs"
 
 
@@ -52,6 +59,8 @@ class Recipe:
     compute_loss: Callable[..., Any]
     evaluate: Callable[..., Any]
     model_input: Callable[..., Any]
+    count_tokens: Callable[..., int] | None = None
+    artifacts: Callable[..., dict[str, str]] | None = None
 
     @property
     def model_kwargs(self) -> type[BaseModel]:
@@ -98,7 +107,10 @@ def load(job: str) -> Recipe:
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise RecipeError(f"recipe {files.recipe} must define {', '.join(missing)} (see raytrain_ddp/recipe.py)")
-    return Recipe(files.name, *(getattr(module, name) for name in REQUIRED))
+    not_callable = [name for name in OPTIONAL if getattr(module, name, None) is not None and not callable(getattr(module, name))]
+    if not_callable:
+        raise RecipeError(f"recipe {files.recipe}: {', '.join(not_callable)} must be a function (see raytrain_ddp/recipe.py)")
+    return Recipe(files.name, *(getattr(module, name) for name in REQUIRED), *(getattr(module, name, None) for name in OPTIONAL))
 
 
 def _import(files: JobFiles) -> ModuleType:

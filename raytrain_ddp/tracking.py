@@ -157,6 +157,13 @@ def register_model(
     return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
 
 
+def log_texts(config: Config, run_id: str, texts: dict[str, str]) -> None:
+    """The recipe's artifacts (a generated sample, say), as text files of the run."""
+    client = MlflowClient(config.mlflow.tracking_uri)
+    for file_name, text in texts.items():
+        client.log_text(run_id, text, file_name)
+
+
 @contextlib.contextmanager
 def _active_run(tracking_uri: str, run_id: str) -> Iterator[None]:
     """Model logging and registration go through MLflow's global tracking URI and "active run": set

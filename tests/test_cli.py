@@ -47,7 +47,7 @@ def test_the_demo_trains_registers_and_prints_a_summary(tmp_path):
     assert [int(n) for n in re.findall(r"^epoch +(\d+)/6 ", out, re.M)] == [1, 2, 3, 4, 5, 6]  # live progress
     accuracy = float(re.search(r"val_accuracy \(global\) +([\d.]+)", out).group(1))
     assert accuracy >= 0.95
-    assert re.search(r"validation rows +360 ", out)
+    assert re.search(r"validation samples +360 ", out)
     checkpoint = Path(re.search(r"best checkpoint +(\S+)", out).group(1))
     assert checkpoint.parent.parent == tmp_path / "runs" and (checkpoint / "manifest.json").is_file()
     assert "model URI              models:/digits-resnet18/1" in out

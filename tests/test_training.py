@@ -15,7 +15,7 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import recipe as recipes
 from raytrain_ddp.config import ConfigError, load_config
-from raytrain_ddp.loop import reported_metrics
+from raytrain_ddp.metrics import reported_metrics
 
 # Constant LR so that "2 epochs, then 2 more" follows the same schedule as "4 epochs" (a cosine
 # schedule's length depends on the total). Checkpoints ranked by val_loss: accuracy (k/360) ties.
@@ -46,15 +46,15 @@ def test_each_worker_trains_on_half_of_the_rows_every_epoch(straight):
     summary, _ = straight
     assert summary.epochs == 4
     per_worker = DIGITS_TRAIN_ROWS // 2  # streaming_split(equal=True) drops the odd row
-    assert summary.final_metrics["train_rows_per_worker"] == [per_worker, per_worker]
-    assert summary.final_metrics["train_rows"] == 2 * per_worker
+    assert summary.final_metrics["train_samples_per_worker"] == [per_worker, per_worker]
+    assert summary.final_metrics["train_samples"] == 2 * per_worker
     assert summary.final_metrics["train_batches"] == 2 * int(np.ceil(per_worker / 32))
 
 
 def test_validation_counts_every_row_exactly_once_across_ranks(straight):
     summary, _ = straight
-    per_worker = summary.final_metrics["val_rows_per_worker"]
-    assert summary.final_metrics["val_rows"] == sum(per_worker) == DIGITS_VAL_ROWS
+    per_worker = summary.final_metrics["val_samples_per_worker"]
+    assert summary.final_metrics["val_samples"] == sum(per_worker) == DIGITS_VAL_ROWS
     assert len(per_worker) == 2 and min(per_worker) > 0  # both ranks evaluated a share
 
 
@@ -128,7 +128,7 @@ def test_resume_continues_exactly_where_the_run_stopped(straight, module_workspa
 
 def test_every_report_carries_the_metrics_the_driver_checks_against(straight):
     summary, _ = straight
-    assert set(summary.final_metrics) == reported_metrics(["loss", "accuracy"])
+    assert set(summary.final_metrics) == reported_metrics(["loss", "accuracy"], counts_tokens=False)
 
 
 def test_a_resume_that_would_change_the_computation_is_refused_before_training(straight, module_workspace):

@@ -1,0 +1,108 @@
+"""What every report carries, and how each rank's own numbers become one global figure.
+
+A rank counts its samples, batches, loss and clocks in an `EpochMeter`; `combine` all-gathers the
+meters and reduces them (sums of sums, max of clocks), so every rank reports the same global metrics.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+# What every report carries besides the recipe's `val_<name>` metrics (and tokens, if it counts them).
+TRAIN_METRICS = (
+    "epoch", "step", "lr", "train_loss", "grad_norm",
+    "train_samples", "train_samples_per_worker", "train_batches",
+    "samples_per_s", "data_wait_s", "compute_s", "data_wait_fraction", "peak_memory_mb",
+    "val_samples", "val_samples_per_worker", "epoch_time_s",
+)
+TOKEN_METRICS = ("train_tokens", "tokens_per_s")
+
+
+def reported_metrics(val_names: Iterable[str], counts_tokens: bool) -> set[str]:
+    """The keys of every report, given the names the recipe's `evaluate` returns."""
+    return {*TRAIN_METRICS, *(TOKEN_METRICS if counts_tokens else ()), *(f"val_{name}" for name in val_names)}
+
+
+@dataclass
+class EpochMeter:
+    """One rank's training epoch: what it saw, and where its time went."""
+
+    loss_sum: float = 0.0
+    samples: int = 0
+    tokens: int = 0
+    batches: int = 0
+    grad_norm_sum: float = 0.0
+    steps: int = 0
+    data_wait_s: float = 0.0  # blocked in next(batches)
+    compute_s: float = 0.0  # everything between two batches: forward, backward, step
+
+    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        iterator = iter(batches)
+        while True:
+            waiting = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            computing = time.perf_counter()
+            self.data_wait_s += computing - waiting
+            yield batch
+            self.compute_s += time.perf_counter() - computing
+
+    def add_batch(self, loss: torch.Tensor, samples: int, tokens: int | None) -> None:
+        self.loss_sum += float(loss.detach()) * samples
+        self.samples += samples
+        self.tokens += tokens or 0
+        self.batches += 1
+
+    def add_step(self, grad_norm: float) -> None:
+        self.grad_norm_sum += grad_norm
+        self.steps += 1
+
+
+def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dict[str, Any]:
+    """The epoch's global training metrics, the same on every rank."""
+    gathered = all_gather((asdict(meter), _peak_memory_mb(device)))
+    parts = [EpochMeter(**fields) for fields, _ in gathered]
+    samples = sum(p.samples for p in parts)
+    busy = max(p.data_wait_s + p.compute_s for p in parts)  # the slowest rank sets the pace
+    metrics = {
+        "train_loss": sum(p.loss_sum for p in parts) / max(samples, 1),
+        "grad_norm": meter.grad_norm_sum / max(meter.steps, 1),  # of the all-reduced gradient: rank-independent
+        "train_samples": samples,
+        "train_samples_per_worker": [p.samples for p in parts],
+        "train_batches": sum(p.batches for p in parts),
+        "samples_per_s": samples / max(busy, 1e-9),
+        "data_wait_s": sum(p.data_wait_s for p in parts) / len(parts),
+        "compute_s": sum(p.compute_s for p in parts) / len(parts),
+        "data_wait_fraction": sum(p.data_wait_s for p in parts) / max(sum(p.data_wait_s + p.compute_s for p in parts), 1e-9),
+        "peak_memory_mb": max(peak for _, peak in gathered),
+    }
+    if counts_tokens:
+        tokens = sum(p.tokens for p in parts)
+        metrics |= {"train_tokens": tokens, "tokens_per_s": tokens / max(busy, 1e-9)}
+    return metrics
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """`obj` from every rank, in rank order (just `[obj]` outside a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """GPU: the most this rank's tensors held at once since the last call; CPU: the process's peak RSS."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
