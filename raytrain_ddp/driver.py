@@ -74,7 +74,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     with console.status("Starting Ray…"):
         _connect(verbose)
     with console.status("Building datasets…"):
-        datasets = data.check_datasets(recipe.build_datasets(seed=config.seed, **config.dataset), config.job)
+        datasets = _build_datasets(config, recipe)
         train_rows = data.num_rows(datasets["train"])
         example = data.example_batch(datasets["val"])
     epochs_done = _check_before_training(config, recipe, example, run_path)
@@ -138,15 +138,31 @@ def _resume_command(config: Config, job_name: str, *, epochs: str | None = None)
     return shlex.join(["raytrain-ddp", "train", config.job, f"run.name={config.run.name}", *overrides])
 
 
+def _build_datasets(config: Config, recipe: recipes.Recipe) -> dict:
+    """The recipe's datasets; a recipe that cannot build them (a missing file, say) is a config problem:
+    reported like one, before anything is started or written."""
+    try:
+        datasets = recipe.build_datasets(seed=config.seed, **config.dataset)
+    except Exception as e:  # noqa: BLE001 - whatever the recipe raises, with its own message
+        raise ConfigError(config.job, [f"recipe {recipe.name}: build_datasets failed: {type(e).__name__}: {e}"]) from e
+    try:
+        return data.check_datasets(datasets, config.job)
+    except TypeError as e:
+        raise ConfigError(config.job, [str(e)]) from None
+
+
 def _check_before_training(config: Config, recipe: recipes.Recipe, example: dict, run_path: str) -> int:
     """What needs the recipe or the run's record, checked before any worker starts: the recipe runs on
     two validation rows, the score metric is one the loop reports, and a resumed run changes nothing
     it must keep. Returns the epochs the run has already trained (0 for a new run)."""
     problems = []
-    model = recipe.build_model(**config.model).eval()
-    with torch.no_grad():
-        loss = recipe.compute_loss(model, example)
-        val_names = recipe.evaluate(model, example).keys()
+    try:
+        model = recipe.build_model(**config.model).eval()
+        with torch.no_grad():
+            loss = recipe.compute_loss(model, example)
+            val_names = recipe.evaluate(model, example).keys()
+    except Exception as e:  # noqa: BLE001 - the recipe's own message says what is wrong
+        raise ConfigError(config.job, [f"recipe {recipe.name} fails on two validation rows: {type(e).__name__}: {e}"]) from e
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
         problems.append(f"recipe {recipe.name}: compute_loss must return a scalar tensor, got {loss!r:.80}")
     reported = reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)

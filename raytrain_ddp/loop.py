@@ -74,6 +74,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if updater.ready(i):
                 meter.add_step(updater.step())
                 step += 1
+        if meter.batches != loop_config["batches_per_epoch"]:  # the accumulation groups assume the count
+            raise RuntimeError(f"rank {rank} got {meter.batches} batches in epoch {epoch + 1}, expected {loop_config['batches_per_epoch']}")
         train = combine(meter, recipe.count_tokens is not None, device)
         if not math.isfinite(train["train_loss"]):
             raise FloatingPointError(f"training loss is {train['train_loss']} in epoch {epoch + 1}; lower train.lr?")
