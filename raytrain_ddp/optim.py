@@ -55,14 +55,17 @@ class Updater:
 
     def step(self) -> float:
         """Unscale, clip by global norm, step, advance the schedule; returns the gradient norm before
-        clipping (inf or nan when fp16 overflowed and the scaler skipped the step)."""
+        clipping (inf or nan when fp16 overflowed: the scaler then skips the step, and so does the
+        schedule)."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.train.grad_clip_norm or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if scale is None or self.scaler.get_scale() >= scale:  # a lowered scale means a skipped step
+            self.scheduler.step()
         return float(norm)
 
     @property

@@ -100,7 +100,7 @@ def test_char_gpt_learns_a_text_reports_tokens_and_logs_a_sample(ray_session, wo
     assert final["train_tokens"] == final["train_samples"] * 64 and final["tokens_per_s"] > 0
     windows = recipes.load("char_gpt").build_datasets(seed=0, path=str(text), stride=32)
     assert final["val_samples"] == len(windows["val"])  # torch Dataset path: each window counted once
-    assert summary.metrics["val_loss"] < 1.2  # nats per byte; uniform over the text's ~30 symbols is 3.4
+    assert summary.metrics["val_loss"] < 1.4  # nats per byte; uniform over the text's ~30 symbols is 3.4
     sample = MlflowClient(summary.tracking_uri).download_artifacts(summary.mlflow_run_id, "sample.txt", str(tmp_path))
     assert summary.artifacts == ["sample.txt"] and len(Path(sample).read_text()) > 100
 
