@@ -1,7 +1,8 @@
 """What every report carries, and how each rank's own numbers become one global figure.
 
 A rank counts its samples, batches, loss and clocks in an `EpochMeter`; `combine` all-gathers the
-meters and reduces them (sums of sums, max of clocks), so every rank reports the same global metrics.
+meters and reduces them (sums of counts; throughput over the slowest rank's busy time; clocks
+averaged per rank), so every rank reports the same global metrics.
 """
 
 from __future__ import annotations
