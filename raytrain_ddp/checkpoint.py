@@ -3,25 +3,33 @@
 A checkpoint is a directory:
 
     model.pt        state_dict of the unwrapped model (never the DDP wrapper's)
-    train_state.pt  optimizer, LR-schedule and grad-scaler state, epochs and steps done, every rank's RNG state
+    train_state.pt  optimizer, LR-schedule and grad-scaler state; where training stands (epochs, steps and
+                    micro-batches of the current epoch done); every rank's RNG state and epoch counters
     config.json     the resolved run config
     metrics.json    the metrics reported with it
     manifest.json   size and sha256 of each file above; written last, so no manifest = not a checkpoint
 
 Tensors load with `torch.load(weights_only=True)`: reading a checkpoint never unpickles arbitrary
-objects. Reading starts with `open_verified`, which checks the manifest once.
+objects. Reading starts with `open_verified`, which checks the manifest once; `open_first_verified`
+walks a run's checkpoints (newest first, or best first) and opens the first that verifies, naming
+each one it skipped and why.
+
+Checkpoints are named for where training stood: `epoch_0003` at the end of epoch 3,
+`epoch_0004-step_0000450` at step 450, in epoch 4.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
+import ray.train
 import torch
 
 MODEL_FILE = "model.pt"
@@ -35,12 +43,23 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is incomplete or corrupt."""
 
 
+class NoValidCheckpoint(CheckpointError):
+    """A run has checkpoints, and not one of them verifies."""
+
+
 @dataclass(frozen=True)
 class TrainingState:
     epoch: int  # epochs completed
     step: int  # optimizer steps completed
     updater: dict[str, Any]  # optimizer, scheduler and scaler state, from `optim.Updater.state_dict()`
     rng: list[dict[str, Any]]  # one per world rank, from `rng_state()`
+    batches: int = 0  # micro-batches of epoch `epoch + 1` already trained; 0 at the end of an epoch
+    meters: list[dict[str, Any]] = field(default_factory=list)  # per rank, mid-epoch: `metrics.EpochMeter` fields
+
+
+def dir_name(epoch: int, step: int, batches: int) -> str:
+    """`epoch_0003` after epoch 3; `epoch_0004-step_0000450` at step 450, `batches` into epoch 4."""
+    return f"epoch_{epoch:04d}" if batches == 0 else f"epoch_{epoch + 1:04d}-step_{step:07d}"
 
 
 def save(
@@ -67,17 +86,20 @@ def verify(directory: str | Path) -> None:
     directory = Path(directory)
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
-        raise CheckpointError(f"{directory}: no {MANIFEST_FILE}; the checkpoint was never completed")
+        raise CheckpointError(f"no {MANIFEST_FILE}: the checkpoint was never completed")
     try:
         files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{directory}: unreadable {MANIFEST_FILE}: {e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"unreadable {MANIFEST_FILE}: {e}") from None
     for name, expected in files.items():
         path = directory / name
         if not path.is_file():
-            raise CheckpointError(f"{directory}: {name} is missing")
-        if path.stat().st_size != expected["bytes"] or _sha256(path) != expected["sha256"]:
-            raise CheckpointError(f"{directory}: {name} does not match its checksum (truncated or modified)")
+            raise CheckpointError(f"{name} is missing")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{name} is truncated or overwritten ({size} bytes, the manifest says {expected['bytes']})")
+        if _sha256(path) != expected["sha256"]:
+            raise CheckpointError(f"{name} does not match its checksum (the bytes changed after it was written)")
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,57 @@ def open_verified(directory: str | Path) -> Verified:
     """Check the manifest once, then read any part: the only way this module reads a checkpoint."""
     verify(directory)
     return Verified(Path(directory))
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint that failed verification."""
+
+    path: str
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The first of a run's checkpoints that verified, and those skipped on the way to it."""
+
+    checkpoint: ray.train.Checkpoint
+    verified: Verified
+    skipped: list[Skipped]
+
+    @property
+    def name(self) -> str:
+        return Path(self.checkpoint.path).name
+
+
+def newest_first(reported: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]]) -> list[ray.train.Checkpoint]:
+    """A run's committed checkpoints (with the metrics reported with each), newest first: by the
+    optimizer step they were written at, which only grows within a run."""
+    return [checkpoint for checkpoint, metrics in sorted(reported, key=lambda cm: cm[1].get("step", -1), reverse=True)]
+
+
+@contextlib.contextmanager
+def open_first_verified(checkpoints: Iterable[ray.train.Checkpoint]) -> Iterator[Opened]:
+    """Open the first of `checkpoints` that verifies (downloaded, if the storage is remote, for as long
+    as the context lasts). Raises NoValidCheckpoint, listing what is wrong with each, if none does."""
+    skipped = []
+    for checkpoint in checkpoints:
+        with checkpoint.as_directory() as directory:
+            try:
+                verified = open_verified(directory)
+            except CheckpointError as e:
+                skipped.append(Skipped(checkpoint.path, str(e)))
+                continue
+            yield Opened(checkpoint, verified, skipped)
+            return
+    raise NoValidCheckpoint("not one checkpoint verifies: " + "; ".join(str(s) for s in skipped))
 
 
 def rng_state() -> dict[str, Any]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
+import ray.train
 import torch
 
 from raytrain_ddp import checkpoint as ckpt
@@ -81,8 +83,8 @@ def test_rng_state_round_trip_reproduces_every_generator():
 @pytest.mark.parametrize(
     ("damage", "says"),
     [
-        (lambda d: (d / ckpt.MODEL_FILE).write_bytes((d / ckpt.MODEL_FILE).read_bytes()[:-10]), "does not match"),
-        (lambda d: _flip_a_byte(d / ckpt.STATE_FILE), "does not match"),
+        (lambda d: (d / ckpt.MODEL_FILE).write_bytes((d / ckpt.MODEL_FILE).read_bytes()[:-10]), "model.pt is truncated"),
+        (lambda d: _flip_a_byte(d / ckpt.STATE_FILE), "train_state.pt does not match its checksum"),
         (lambda d: (d / ckpt.CONFIG_FILE).unlink(), "config.json is missing"),
         (lambda d: (d / ckpt.MANIFEST_FILE).unlink(), "never completed"),
         (lambda d: (d / ckpt.MANIFEST_FILE).write_text("{"), "unreadable"),
@@ -106,3 +108,41 @@ def _flip_a_byte(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def _run_of_three(tmp_path):
+    """Three checkpoints of one run, at steps 4, 6 and 8, as Ray lists them: best first, not newest."""
+    model, updater = _trained_parts()
+    reported = []
+    for step, epoch, batches in ((4, 0, 4), (6, 1, 0), (8, 1, 2)):
+        directory = tmp_path / ckpt.dir_name(epoch, step, batches)
+        directory.mkdir()
+        state = ckpt.TrainingState(epoch, step, updater.state_dict(), [ckpt.rng_state()], batches)
+        ckpt.save(directory, model=model, state=state, config={}, metrics={"step": step})
+        reported.append((ray.train.Checkpoint.from_directory(str(directory)), {"step": step}))
+    return [reported[1], reported[2], reported[0]]
+
+
+def test_checkpoint_names_say_where_training_stood():
+    assert ckpt.dir_name(3, 450, 0) == "epoch_0003"
+    assert ckpt.dir_name(3, 470, 20) == "epoch_0004-step_0000470"
+
+
+def test_the_newest_checkpoint_that_verifies_is_opened_and_the_damaged_ones_are_named(tmp_path):
+    newest_first = ckpt.newest_first(_run_of_three(tmp_path))
+    assert [Path(c.path).name for c in newest_first] == ["epoch_0002-step_0000008", "epoch_0001", "epoch_0001-step_0000004"]
+    (tmp_path / "epoch_0002-step_0000008" / ckpt.MANIFEST_FILE).unlink()
+
+    with ckpt.open_first_verified(newest_first) as opened:
+        assert opened.name == "epoch_0001" and opened.verified.training_state().step == 6
+        assert [str(s) for s in opened.skipped] == ["epoch_0002-step_0000008: no manifest.json: the checkpoint was never completed"]
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_names_each_and_why(tmp_path):
+    checkpoints = ckpt.newest_first(_run_of_three(tmp_path))
+    for checkpoint in checkpoints:
+        _flip_a_byte(Path(checkpoint.path) / ckpt.MODEL_FILE)
+    with pytest.raises(ckpt.NoValidCheckpoint) as none:
+        with ckpt.open_first_verified(checkpoints):
+            pass
+    assert str(none.value).count("model.pt does not match its checksum") == 3
