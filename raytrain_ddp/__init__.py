@@ -6,12 +6,14 @@
 
 from raytrain_ddp.config import Config, ConfigError, load_config
 
-__all__ = ["Config", "ConfigError", "RunFailed", "RunSummary", "load_config", "run"]
+from raytrain_ddp.lease import RunBusy
+
+__all__ = ["Config", "ConfigError", "RunBusy", "RunFailed", "RunInterrupted", "RunSummary", "load_config", "run"]
 
 
 def __getattr__(name: str):
     # torch, Ray Train and MLflow load on first use, so `--help` and config checks stay fast.
-    if name in ("run", "RunSummary", "RunFailed"):
+    if name in ("run", "RunSummary", "RunFailed", "RunInterrupted"):
         from raytrain_ddp import driver
 
         return getattr(driver, name)

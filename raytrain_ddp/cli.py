@@ -61,10 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from raytrain_ddp.driver import RunFailed, RunInterrupted, run  # torch, Ray Train, MLflow: only to train
+    from raytrain_ddp.lease import RunBusy
 
     try:
         run(config, verbose=args.verbose)
-    except ConfigError as e:  # what only the recipe or the resumed run's record could tell
+    except (ConfigError, RunBusy) as e:  # what only the recipe, the cluster or the run's record could tell
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunInterrupted as e:

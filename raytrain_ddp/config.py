@@ -109,9 +109,14 @@ class DDPSettings(_Section):
 
 
 class CheckpointSettings(_Section):
-    """Ray Train's CheckpointConfig: one checkpoint per epoch, ranked by a reported metric."""
+    """Ray Train's CheckpointConfig: a checkpoint at the end of each epoch (and every N steps, if asked),
+    each evaluated and ranked by a reported metric."""
 
-    num_to_keep: int | None = Field(2, ge=1, description="checkpoints kept on storage (best by score); null = all")
+    every_n_steps: int | None = Field(
+        None, ge=1, description="also checkpoint (and evaluate) every N optimizer steps, mid-epoch; a failure then "
+        "costs at most N steps; null = at epoch ends only"
+    )
+    num_to_keep: int | None = Field(2, ge=1, description="checkpoints kept on storage (best by score, plus the latest); null = all")
     score_attribute: str = Field("val_loss", min_length=1, description="reported metric that ranks checkpoints")
     score_order: Literal["max", "min"] = Field("min", description="whether a larger or smaller score is better")
 
@@ -123,7 +128,9 @@ class RunSettings(_Section):
         None, description="run name; the same name + storage_path resumes; null = '<job>-<time>-<random>'"
     )
     storage_path: str = Field("./runs", min_length=1, description="checkpoints go to <storage_path>/<name>/")
-    max_failures: int = Field(0, ge=-1, description="worker-group restarts from the latest checkpoint; -1 = unlimited")
+    max_failures: int = Field(
+        0, ge=-1, description="restarts of the workers, from the latest checkpoint, after a worker fails; -1 = unlimited"
+    )
 
     @model_validator(mode="after")
     def _name_is_a_directory_name(self) -> "RunSettings":

@@ -1,18 +1,24 @@
-"""What the user sees: a line per epoch as the reports arrive, and a summary at the end.
+"""What the user sees: a line per report as they arrive, a line per failed attempt, a summary at the end.
 
-Reports reach the Ray Train controller, not the driver; `ProgressRelay` (a controller callback) puts
-each one on a Ray queue that `LiveProgress` drains on the driver while `fit()` runs.
+Reports and failures reach the Ray Train controller, not the driver; `ProgressRelay` (a controller
+callback) puts each on a Ray queue that `LiveProgress` drains on the driver while `fit()` runs.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray.train
+from ray.exceptions import RayActorError
 from ray.util.queue import Empty, Queue
 from rich.console import Console
+from rich.markup import escape
+
+from raytrain_ddp.metrics import STOPPED
 
 if TYPE_CHECKING:
     from raytrain_ddp.driver import RunSummary
@@ -21,31 +27,47 @@ logger = logging.getLogger(__name__)
 
 
 class ProgressRelay(ray.train.UserCallback):
-    """Runs on the controller: forwards rank 0's metrics of every report to the driver."""
+    """Runs on the controller: forwards rank 0's metrics of every report, and every failure of the
+    workers (with the checkpoint the restart will resume from), to the driver."""
 
-    def __init__(self, queue: Queue):
-        self.queue = queue
+    def __init__(self, queue: Queue, latest: str | None):
+        self.queue, self.latest = queue, latest
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if checkpoint is not None:
+            self.latest = Path(checkpoint.path).name
+        self._put(("report", metrics[0]))
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self._put(("failure", {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}, self.latest))
+
+    def _put(self, event: tuple) -> None:
         try:  # a display problem must never end the run (controller errors are not retried)
-            self.queue.put(metrics[0], timeout=5)
+            self.queue.put(event, timeout=5)
         except Exception as e:  # noqa: BLE001
-            logger.warning("progress line for epoch %s not shown: %s", metrics[0].get("epoch"), e)
+            logger.warning("progress event not shown: %s", e)
 
 
 class LiveProgress:
-    """Prints a line per epoch while training runs; a spinner shows the phase on a terminal."""
+    """Prints a line per report while training runs, and a line per failed attempt; a spinner shows
+    the phase on a terminal. Keeps what the driver needs afterwards: the failures, and why the run
+    stopped if the workers stopped it."""
 
-    def __init__(self, console: Console, *, epochs: int, score: str, order: str, workers: int):
+    def __init__(self, console: Console, *, epochs: int, score: str, order: str, workers: int,
+                 max_failures: int, latest: str | None):
         self.console, self.epochs, self.score, self.order = console, epochs, score, order
-        self.queue = Queue(actor_options={"num_cpus": 0})
-        self.relay = ProgressRelay(self.queue)
+        self.max_failures, self.latest = max_failures, latest
+        self.relay: ProgressRelay | None = None  # for the trainer's callbacks, from __enter__ on
         self.best: float | None = None
+        self.failures: list[str] = []
+        self.stopped: str | None = None
         self._status = console.status(f"Starting {workers} training workers…")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True)
 
     def __enter__(self) -> "LiveProgress":
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self.relay = ProgressRelay(self.queue, self.latest)
         self._status.start()
         self._thread.start()
         return self
@@ -59,12 +81,21 @@ class LiveProgress:
     def _drain(self) -> None:
         while True:
             try:
-                self._show(self.queue.get(timeout=0.5))
+                kind, *event = self.queue.get(timeout=0.5)
             except Empty:
                 if self._stop.is_set():
                     return
+                continue
+            if kind == "report":
+                self._show(*event)
+            else:
+                self._failed(*event)
 
     def _show(self, m: dict[str, Any]) -> None:
+        if STOPPED in m:
+            self.stopped = m[STOPPED]
+            self.console.print(f"[red]stopping[/]: {escape(self.stopped)}")
+            return
         score = m.get(self.score)
         improved = score is not None and (
             self.best is None or (score > self.best if self.order == "max" else score < self.best)
@@ -73,10 +104,37 @@ class LiveProgress:
             self.best = score
         values = "  ".join(f"{k} [bold]{v:.4f}[/]" for k, v in m.items() if _is_quality_metric(k, v))
         best = "  [green]★ best[/]" if improved else ""
-        self.console.print(
-            f"epoch {m['epoch']:>3}/{self.epochs}  {values}  [dim]{m['epoch_time_s']:.1f}s, {_throughput(m)}[/]{best}"
-        )
-        self._status.update(f"Training… epoch {m['epoch']}/{self.epochs} done")
+        epoch = m["epoch"]
+        where = f"epoch {epoch:>3.0f}/{self.epochs}" if epoch == int(epoch) else f"  step {m['step']:>5} (epoch {epoch:.2f})"
+        self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {_throughput(m)}[/]{best}")
+        self._status.update(f"Training… epoch {epoch:.4g}/{self.epochs}")
+
+    def _failed(self, errors: dict[int, str], latest: str | None) -> None:
+        what = "; ".join(f"rank {rank}: {error}" for rank, error in errors.items())
+        left = self.max_failures - len(self.failures) - 1
+        if self.max_failures == -1 or left >= 0:
+            restart = f"restarted from {latest or 'the start'}"
+            self._status.update(f"Restarting the workers from {latest or 'the start'}…")
+        else:
+            restart = f"no restarts left (run.max_failures={self.max_failures})"
+        self.failures.append(f"{what} — {restart}")
+        self.console.print(f"[yellow]attempt {len(self.failures)} failed[/]: {escape(self.failures[-1])}")
+
+
+def one_line(error: BaseException) -> str:
+    """A worker's failure in one line: the exception it raised, or how its process died."""
+    # Ray Train wraps both kinds: a dead worker's error, and the user's exception with its traceback.
+    error = getattr(error, "health_check_failure", error)
+    if isinstance(error, RayActorError):
+        detail = re.search(r"Worker exit detail: (.*?)\.", str(error))
+        return f"the worker process died ({detail.group(1) if detail else type(error).__name__})"
+    error = getattr(error, "_base_exc", error)
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    last = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[-1]) if lines else ""  # gloo's source location
+    last = f"{type(error).__name__}: {last}"
+    if len(last) > 120:  # the first sentence says it (gloo goes on for three more)
+        last = re.split(r"(?<=\.) ", last, maxsplit=1)[0]
+    return last if len(last) <= 200 else last[:199] + "…"
 
 
 def print_summary(console: Console, summary: "RunSummary") -> None:
@@ -85,7 +143,7 @@ def print_summary(console: Console, summary: "RunSummary") -> None:
     rows += [
         ("validation samples", f"{best.get('val_samples')} (each counted once across {summary.workers} workers)"),
         ("throughput", f"{_throughput(summary.final_metrics)} (last epoch)"),
-        ("best checkpoint", f"{summary.best_checkpoint}  (epoch {best.get('epoch')})"),
+        ("best checkpoint", f"{summary.best_checkpoint}  (epoch {best.get('epoch'):.4g}, step {best.get('step')})"),
         ("registered model", f"{summary.model.name}  version {summary.model.version}"),
         ("model URI", summary.model.uri),
         ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
@@ -93,12 +151,17 @@ def print_summary(console: Console, summary: "RunSummary") -> None:
         ("MLflow UI", summary.ui_command),
         ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
     ]
+    if summary.resumed.checkpoint:
+        rows.insert(0, ("resumed from", f"{summary.resumed.checkpoint} (epoch {summary.resumed.epoch:.4g}, step {summary.resumed.step})"))
+    if summary.failures:
+        restarts = "; ".join(f"{i}: {failure}" for i, failure in enumerate(summary.failures, 1))
+        rows.insert(0, ("attempts", f"{summary.attempts}, after failures: {restarts}"))
     minutes, seconds = divmod(round(summary.wall_time_s), 60)
     epochs = f"{summary.epochs} epoch{'s' if summary.epochs != 1 else ''}"
     console.print(f"\n[bold]{summary.run_name}[/] finished: {epochs} in {minutes}m {seconds:02d}s")
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
-        console.print(f"  [bold]{key:<{width}}[/]  {value}", soft_wrap=True, highlight=False)
+        console.print(f"  [bold]{key:<{width}}[/]  {escape(value)}", soft_wrap=True, highlight=False)
 
 
 def _is_quality_metric(key: str, value: Any) -> bool:

@@ -22,16 +22,16 @@ from typing import Any
 import ray
 import ray.data
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchTrainer
 from rich.console import Console
+from rich.markup import escape
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import console as ui
-from raytrain_ddp import data, recipe as recipes, tracking
-from raytrain_ddp.config import Config, ConfigError, load_config, resume_conflicts
+from raytrain_ddp import data, lease, preflight, recipe as recipes, tracking
+from raytrain_ddp.config import Config, ConfigError, load_config
 from raytrain_ddp.loop import train_loop_per_worker
-from raytrain_ddp.metrics import reported_metrics
 from raytrain_ddp.optim import optimizer_steps
 
 
@@ -59,17 +59,22 @@ class RunSummary:
     ui_command: str
     extend_command: str  # resumes the run with train.epochs=N: train it longer
     wall_time_s: float
+    resumed: preflight.Resume  # where this driver found the run: a new run, or its checkpoint
+    attempts: int  # 1 + restarts of the workers after failures
+    failures: list[str]  # one line per failed attempt: which rank failed, how, and where it restarted
 
 
 def run(config: Config, *, verbose: bool = False, console: Console | None = None) -> RunSummary:
     """Train `config` to its last epoch (resuming the run if it exists), register the best
     checkpoint's model, and return the summary. Raises ConfigError before any worker starts if the
-    recipe or a resumed run's record rules the config out, RunFailed if training fails."""
+    config, the recipe, the cluster or the run's record rule it out, RunBusy if another driver is
+    training the run, RunFailed if training fails."""
     started = time.monotonic()
     console = console or Console(soft_wrap=True)
     recipe = recipes.load(config.job)
     config = resolve(config, recipe.name)
     run_path = f"{config.run.storage_path}/{config.run.name}"
+    lease.check(run_path)  # another driver training this run: refused before anything is read or written
 
     with console.status("Starting Ray…"):
         _connect(verbose)
@@ -77,35 +82,49 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         datasets = _build_datasets(config, recipe)
         train_rows = data.num_rows(datasets["train"])
         example = data.example_batch(datasets["val"])
-    epochs_done = _check_before_training(config, recipe, example, run_path)
+    resume = _check_before_training(config, recipe, datasets, example, run_path)
     t = config.train
     batches = data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last)
     accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
-    resuming = f", resuming after epoch {epochs_done}" if epochs_done else ""
+    resuming = f", resuming from {resume.checkpoint} (epoch {resume.epoch:g}, step {resume.step})" if resume.checkpoint else ""
     console.print(
         f"[bold]{config.run.name}[/]: job {recipe.name}, {config.scaling.num_workers} workers × batch "
         f"{t.batch_size}{accumulation}, {train_rows} training rows "
         f"({optimizer_steps(batches, t.grad_accum_steps)} steps/epoch){resuming}, checkpoints in {run_path}"
     )
+    for skipped in resume.skipped:
+        console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(skipped))}")
 
-    run_id = tracking.start_run(config)
-    resume = _resume_command(config, recipe.name)
-    try:
-        result = _fit(config, recipe, datasets, batches, run_id, console)
-        epochs = int(result.metrics["epoch"]) if result.metrics else 0
-        if epochs < config.train.epochs:  # how an aborted fit() returns: no error, fewer epochs
-            raise RunInterrupted(f"stopped after epoch {epochs} of {config.train.epochs}")
-        with console.status("Registering the best checkpoint's model in MLflow…"):
-            best, best_metrics, registered, artifacts = _register_best(config, recipe, result, run_id, example)
-    except BaseException as e:
-        # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
-        # as SystemExit or KeyboardInterrupt, depending on when it lands.
-        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted))
-        _finish_quietly(config, run_id, "KILLED" if interrupted else "FAILED")
-        what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})" if interrupted else f"failed: {e}"
-        kind = RunInterrupted if interrupted else RunFailed
-        raise kind(f"run {config.run.name} {what}\ncheckpoints so far: {run_path}\nresume: {resume}") from e
-    tracking.finish_run(config, run_id, "FINISHED")
+    resume_command = _resume_command(config, recipe.name)
+    progress = ui.LiveProgress(
+        console,
+        epochs=config.train.epochs,
+        score=config.checkpoint.score_attribute,
+        order=config.checkpoint.score_order,
+        workers=config.scaling.num_workers,
+        max_failures=config.run.max_failures,
+        latest=resume.checkpoint,
+    )
+    with lease.Lease(run_path):
+        run_id = tracking.start_run(config)
+        try:
+            result = _fit(config, recipe, datasets, batches, run_id, progress)
+            if progress.stopped is not None:
+                raise RunFailed(progress.stopped)
+            epochs = int(result.metrics["epoch"]) if result.metrics else 0
+            if epochs < config.train.epochs:  # how an aborted fit() returns: no error, fewer epochs
+                raise RunInterrupted(f"stopped after epoch {epochs} of {config.train.epochs}")
+            with console.status("Registering the best checkpoint's model in MLflow…"):
+                best, best_metrics, registered, artifacts = _register_best(config, recipe, result, run_id, example, console)
+        except BaseException as e:
+            # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
+            # as SystemExit or KeyboardInterrupt, depending on when it lands.
+            interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted))
+            _finish_quietly(config, run_id, "KILLED" if interrupted else "FAILED")
+            what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})" if interrupted else f"failed: {_describe_failure(e, config, progress)}"
+            kind = RunInterrupted if interrupted else RunFailed
+            raise kind(f"run {config.run.name} {what}\ncheckpoints so far: {run_path}\nresume: {resume_command}") from e
+        tracking.finish_run(config, run_id, "FINISHED")
 
     summary = RunSummary(
         run_name=config.run.name,
@@ -122,6 +141,9 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         ui_command=tracking.ui_command(config.mlflow.tracking_uri),
         extend_command=_resume_command(config, recipe.name, epochs="N"),
         wall_time_s=time.monotonic() - started,
+        resumed=resume,
+        attempts=1 + len(progress.failures),
+        failures=progress.failures,
     )
     ui.print_summary(console, summary)
     return summary
@@ -151,86 +173,55 @@ def _build_datasets(config: Config, recipe: recipes.Recipe) -> dict:
         raise ConfigError(config.job, [str(e)]) from None
 
 
-def _check_before_training(config: Config, recipe: recipes.Recipe, example: dict, run_path: str) -> int:
-    """What needs the recipe or the run's record, checked before any worker starts: the recipe runs on
-    two validation rows, the score metric is one the loop reports, and a resumed run changes nothing
-    it must keep. Returns the epochs the run has already trained (0 for a new run)."""
-    problems = []
+def _check_before_training(config: Config, recipe: recipes.Recipe, datasets: dict, example: dict, run_path: str) -> preflight.Resume:
+    """Everything that can rule the run out without starting a worker (see preflight.py), reported
+    at once as a ConfigError; a run whose checkpoints are all damaged is a RunFailed. Returns where
+    the run stands."""
+    problems = preflight.check_recipe(config, recipe, example) + preflight.check_resources(config, datasets)
     try:
-        model = recipe.build_model(**config.model).eval()
-        with torch.no_grad():
-            loss = recipe.compute_loss(model, example)
-            val_names = recipe.evaluate(model, example).keys()
-    except Exception as e:  # noqa: BLE001 - the recipe's own message says what is wrong
-        raise ConfigError(config.job, [f"recipe {recipe.name} fails on two validation rows: {type(e).__name__}: {e}"]) from e
-    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
-        problems.append(f"recipe {recipe.name}: compute_loss must return a scalar tensor, got {loss!r:.80}")
-    reported = reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)
-    if config.checkpoint.score_attribute not in reported:
-        problems.append(
-            f"checkpoint.score_attribute: {config.checkpoint.score_attribute!r} is not a reported metric; "
-            f"choose one of: {', '.join(sorted(reported))}"
-        )
-    latest = _latest_checkpoint(run_path)
-    if latest is not None:
-        with latest.as_directory() as directory:
-            saved = ckpt.open_verified(directory)
-            conflicts = resume_conflicts(saved.config(), config)
-            epochs_done = saved.metrics()["epoch"]
-        problems += [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
-    if problems:
-        raise ConfigError(config.job, problems)
-    return epochs_done if latest is not None else 0
+        resume, conflicts = preflight.check_resume(config, run_path)
+    except ckpt.NoValidCheckpoint as e:
+        raise RunFailed(
+            f"run {config.run.name} cannot resume: {e}\nrestore the files, or start a new run (run.name=null)"
+        ) from None
+    if problems + conflicts:
+        raise ConfigError(config.job, problems + conflicts)
+    return resume
 
 
-def _latest_checkpoint(run_path: str) -> ray.train.Checkpoint | None:
-    """The checkpoint Ray will resume from, read from Ray's own record of the run; None if the run has
-    none yet."""
-    try:
-        return ray.train.Result.from_path(run_path).checkpoint
-    except RuntimeError:  # no run directory, or no checkpoint committed in it
-        return None
-
-
-def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, run_id: str, console: Console):
+def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, run_id: str,
+         progress: ui.LiveProgress) -> ray.train.Result:
     ray_data = data.is_ray(datasets)
-    progress = ui.LiveProgress(
-        console,
-        epochs=config.train.epochs,
-        score=config.checkpoint.score_attribute,
-        order=config.checkpoint.score_order,
-        workers=config.scaling.num_workers,
-    )
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={
-            "config": config.to_dict(),
-            "recipe": recipe,
-            "batches_per_epoch": batches,
-            "torch_datasets": None if ray_data else datasets,  # shipped to every worker with the loop
-        },
-        scaling_config=ScalingConfig(
-            num_workers=config.scaling.num_workers,
-            use_gpu=config.scaling.use_gpu,
-            resources_per_worker=dict(config.scaling.resources_per_worker),
-        ),
-        run_config=RunConfig(
-            name=config.run.name,
-            storage_path=config.run.storage_path,
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=config.checkpoint.num_to_keep,
-                checkpoint_score_attribute=config.checkpoint.score_attribute,
-                checkpoint_score_order=config.checkpoint.score_order,
-            ),
-            failure_config=FailureConfig(max_failures=config.run.max_failures),
-            callbacks=[tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id), progress.relay],
-        ),
-        datasets=datasets if ray_data else None,
-        dataset_config=data.dataset_config(),
-    )
     sigint = signal.getsignal(signal.SIGINT)
     try:
         with progress:
+            trainer = TorchTrainer(
+                train_loop_per_worker,
+                train_loop_config={
+                    "config": config.to_dict(),
+                    "recipe": recipe,
+                    "batches_per_epoch": batches,
+                    "torch_datasets": None if ray_data else datasets,  # shipped to every worker with the loop
+                },
+                scaling_config=ScalingConfig(
+                    num_workers=config.scaling.num_workers,
+                    use_gpu=config.scaling.use_gpu,
+                    resources_per_worker=dict(config.scaling.resources_per_worker),
+                ),
+                run_config=RunConfig(
+                    name=config.run.name,
+                    storage_path=config.run.storage_path,
+                    checkpoint_config=CheckpointConfig(
+                        num_to_keep=config.checkpoint.num_to_keep,
+                        checkpoint_score_attribute=config.checkpoint.score_attribute,
+                        checkpoint_score_order=config.checkpoint.score_order,
+                    ),
+                    failure_config=FailureConfig(max_failures=config.run.max_failures),
+                    callbacks=[tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id), progress.relay],
+                ),
+                datasets=datasets if ray_data else None,
+                dataset_config=data.dataset_config(),
+            )
             result = trainer.fit()
     finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
         if threading.current_thread() is threading.main_thread():
@@ -240,22 +231,35 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, r
     return result
 
 
-def _register_best(config: Config, recipe: recipes.Recipe, result, run_id: str, example: dict):
-    best = result.get_best_checkpoint(config.checkpoint.score_attribute, config.checkpoint.score_order)
+def _register_best(config: Config, recipe: recipes.Recipe, result: ray.train.Result, run_id: str, example: dict,
+                   console: Console):
+    """Register the best checkpoint that verifies (saying which better ones were damaged)."""
+    score, order = config.checkpoint.score_attribute, config.checkpoint.score_order
+    ranked = sorted(result.best_checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")
     model = recipe.build_model(**config.model)
-    with best.as_directory() as directory:
-        saved = ckpt.open_verified(directory)
-        model.load_state_dict(saved.model_state())
-        metrics = saved.metrics()
+    with ckpt.open_first_verified(checkpoint for checkpoint, _ in ranked) as best:
+        for skipped in best.skipped:
+            console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(skipped))}")
+        model.load_state_dict(best.verified.model_state())
+        metrics = best.verified.metrics()
     # Two rows, so the exported model keeps a dynamic batch dimension.
     input_example = recipe.model_input(example).numpy()
-    registered = tracking.register_model(config, run_id, model, input_example, best.path)
+    registered = tracking.register_model(config, run_id, model, input_example, best.checkpoint.path)
     artifacts = {}
     if recipe.artifacts is not None:
         with torch.no_grad():
             artifacts = recipe.artifacts(model.eval())
         tracking.log_texts(config, run_id, artifacts)
-    return best, metrics, registered, artifacts
+    return best.checkpoint, metrics, registered, artifacts
+
+
+def _describe_failure(error: BaseException, config: Config, progress: ui.LiveProgress) -> str:
+    """What failed, on which rank, after how many attempts: one line per rank, not Ray's tracebacks."""
+    if isinstance(error, WorkerGroupError):
+        attempts = max(len(progress.failures), 1)
+        ranks = "; ".join(f"rank {rank}: {ui.one_line(e)}" for rank, e in sorted(error.worker_failures.items()))
+        return f"{ranks} (attempt {attempts}; run.max_failures={config.run.max_failures})"
+    return str(error)
 
 
 def _finish_quietly(config: Config, run_id: str, status: str) -> None:
@@ -291,6 +295,10 @@ def _connect(verbose: bool) -> None:
     if not ray.is_initialized():
         ray.init(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.ERROR)
     context = ray.data.DataContext.get_current()
+    # A recipe's datasets in the same row order every time: without it, a materialized map_batches
+    # lists its blocks in the order its tasks finished, and the data order would not be a function
+    # of the seed (exact resume and reproducible runs depend on it).
+    context.execution_options.preserve_order = True
     context.enable_progress_bars = verbose
     context.print_on_execution_start = verbose
     for noisy in ("ray.data", "mlflow", "alembic"):

@@ -7,6 +7,7 @@ averaged per rank), so every rank reports the same global metrics.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from dataclasses import asdict, dataclass
@@ -21,8 +22,10 @@ TRAIN_METRICS = (
     "train_samples", "train_samples_per_worker", "train_batches",
     "samples_per_s", "data_wait_s", "compute_s", "data_wait_fraction", "peak_memory_mb",
     "val_samples", "val_samples_per_worker", "epoch_time_s",
+    "checkpoint_s", "commit_wait_s",  # training blocked by the previous checkpoint: in all, and waiting for its commit
 )
 TOKEN_METRICS = ("train_tokens", "tokens_per_s")
+STOPPED = "stopped"  # only in a report without a checkpoint: why the workers stop the run (see loop.py)
 
 
 def reported_metrics(val_names: Iterable[str], counts_tokens: bool) -> set[str]:
@@ -32,7 +35,8 @@ def reported_metrics(val_names: Iterable[str], counts_tokens: bool) -> set[str]:
 
 @dataclass
 class EpochMeter:
-    """One rank's training epoch: what it saw, and where its time went."""
+    """One rank's training epoch: what it saw, and where its time went. Checkpointed mid-epoch
+    (`state_dict`), so a resumed epoch reports the same totals as an uninterrupted one."""
 
     loss_sum: float = 0.0
     samples: int = 0
@@ -41,7 +45,12 @@ class EpochMeter:
     grad_norm_sum: float = 0.0
     steps: int = 0
     data_wait_s: float = 0.0  # blocked in next(batches)
-    compute_s: float = 0.0  # everything between two batches: forward, backward, step
+    compute_s: float = 0.0  # everything between two batches (forward, backward, step), less `paused` time
+    earlier_s: float = 0.0  # wall time spent on this epoch before the attempt that resumed it
+
+    def __post_init__(self) -> None:
+        self._started = time.perf_counter()
+        self._paused_s = 0.0
 
     def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
         iterator = iter(batches)
@@ -53,8 +62,18 @@ class EpochMeter:
                 return
             computing = time.perf_counter()
             self.data_wait_s += computing - waiting
+            self._paused_s = 0.0
             yield batch
-            self.compute_s += time.perf_counter() - computing
+            self.compute_s += time.perf_counter() - computing - self._paused_s
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time that is not training (evaluating, checkpointing) and must not count as compute."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - started
 
     def add_batch(self, loss: torch.Tensor, samples: int, tokens: int | None) -> None:
         self.loss_sum += float(loss.detach()) * samples
@@ -65,6 +84,12 @@ class EpochMeter:
     def add_step(self, grad_norm: float) -> None:
         self.grad_norm_sum += grad_norm
         self.steps += 1
+
+    def epoch_time_s(self) -> float:
+        return self.earlier_s + time.perf_counter() - self._started
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"earlier_s": self.epoch_time_s()}
 
 
 def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dict[str, Any]:

@@ -92,7 +92,7 @@ def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED"
 
 
 class MLflowMetrics(ray.train.UserCallback):
-    """Runs on the Ray Train controller: each epoch's global metrics go to MLflow as they arrive.
+    """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
 
     An exception here would end the run as a controller error, which Ray never retries, so a store
     that is briefly unavailable costs a warning, not the training; every checkpoint's metrics.json
@@ -106,15 +106,15 @@ class MLflowMetrics(ray.train.UserCallback):
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         reported = metrics[0]  # every rank reports the same global metrics
         now = int(time.time() * 1000)
-        epoch = int(reported["epoch"])
-        batch = [Metric(k, float(v), now, epoch) for k, v in reported.items() if _is_number(v) and k != "epoch"]
+        step = int(reported["step"])  # the optimizer step: the x-axis of every metric (epoch is a metric)
+        batch = [Metric(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
         for attempt in range(1, self.ATTEMPTS + 1):
             try:
                 MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
                 return
             except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
                 if attempt == self.ATTEMPTS:
-                    logger.warning("MLflow: epoch %d metrics not logged (%s); see the checkpoint's metrics.json", epoch, e)
+                    logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
                 time.sleep(attempt)
 
 

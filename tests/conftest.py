@@ -41,6 +41,26 @@ class Workspace:
         ]
 
 
+SCENARIOS: list[dict] = []  # the reliability figures, printed as a table at the end of the session
+
+
+@pytest.fixture
+def record():
+    """`record(scenario, attempts=..., resumed=..., wasted=..., checkpoints=..., versions=...)`."""
+    return lambda scenario, **figures: SCENARIOS.append({"scenario": scenario, **figures})
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not SCENARIOS:
+        return
+    columns = ["scenario", "attempts", "resumed", "wasted", "checkpoints", "versions", "note"]
+    terminalreporter.section("reliability scenarios")
+    terminalreporter.write_line("| " + " | ".join(columns) + " |")
+    terminalreporter.write_line("|" + "---|" * len(columns))
+    for row in SCENARIOS:
+        terminalreporter.write_line("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray shared by every test that trains: a cold start costs 10-20 s on 2 cores."""

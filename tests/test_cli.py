@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 CLI = str(Path(sys.executable).parent / "raytrain-ddp")
+TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
 
 
 def raytrain_ddp(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -60,33 +63,89 @@ def test_the_demo_trains_registers_and_prints_a_summary(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_run_and_the_printed_command_resumes_it(tmp_path):
+def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp_path, record):
+    """Driver A trains; B, the same command, is refused while A lives; A's whole process group is
+    SIGKILLed; C, the same command again, resumes from A's latest checkpoint and is stopped with Ctrl-C;
+    D, the command C printed, finishes the run and registers the model, once."""
     from mlflow.tracking import MlflowClient
 
+    passes = tmp_path / "passes"  # tiny.py logs each training pass, per rank (no faults injected)
+    passes.mkdir()
+    command = [CLI, "train", TINY, "dataset.rows=2048", "train.epochs=40", "run.name=shared", f"model.fault_log={passes}"]
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    process = subprocess.Popen(
-        [CLI, "train", "digits", "train.epochs=4", "train.lr=0.003", "run.name=stopped"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    for line in process.stdout:  # wait until training is under way
-        if line.startswith("epoch   1/4"):
-            break
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=300)
+    raylets_before = _raylets()
 
-    assert process.returncode == 130, err[-3000:]
-    assert re.search(r"^interrupted: run stopped was interrupted \((Ctrl-C|stopped after epoch [123] of 4)\)$", err, re.M)
+    a = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    _read_until(a, r"^epoch +2/40 ")
+
+    started = time.monotonic()
+    b = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    refused_in = time.monotonic() - started
+    assert b.returncode == 2, b.stderr[-3000:]
+    assert f"error: run shared is being trained by another driver (pid {a.pid} on " in b.stderr
+    assert "wait for it to finish, or choose another run.name" in b.stderr
+    lease = json.loads((tmp_path / "runs" / "shared" / "driver.json").read_text())
+    assert lease["pid"] == a.pid  # B wrote nothing
+    assert a.poll() is None  # and A trains on
+
+    os.killpg(a.pid, signal.SIGKILL)
+    a.wait(timeout=60)
+    latest_of_a = _latest_checkpoint(tmp_path / "runs" / "shared")
+    a_steps = len((passes / "rank0.log").read_text().split())
+    assert _raylets_gone(raylets_before), "a killed driver must not leave its local Ray running"
+
+    c = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    resumed = _read_until(c, r"resuming from (epoch_\d{4}) \(epoch [\d.]+, step (\d+)\)")
+    assert resumed.group(1) == latest_of_a.name  # the stale lease of the dead driver was taken over
+    _read_until(c, r"^epoch +\d+/40 ")
+    c.send_signal(signal.SIGINT)
+    _, err = c.communicate(timeout=300)
+
+    assert c.returncode == 130, err[-3000:]
+    assert re.search(r"^interrupted: run shared was interrupted \((Ctrl-C|stopped after epoch \d+ of 40)\)$", err, re.M)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    [stopped] = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
-    assert stopped.info.status == "KILLED"
-    assert client.search_registered_models() == []
-    assert (tmp_path / "runs" / "stopped" / "epoch_0001" / "manifest.json").is_file()  # the work so far is kept
-
+    [stopped] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert stopped.info.status == "KILLED" and client.search_registered_models() == []
     resume = re.search(r"^resume: (.+)$", err, re.M).group(1)
-    assert resume == "raytrain-ddp train digits run.name=stopped train.epochs=4 train.lr=0.003"  # differs from YAML
-    resumed = raytrain_ddp(*shlex.split(resume)[1:], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert re.search(r"resuming after epoch [123],", resumed.stdout)
-    [finished] = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
-    assert finished.info.run_id == stopped.info.run_id and finished.info.status == "FINISHED"
-    assert len(client.search_model_versions("name = 'digits-resnet18'")) == 1
+    assert resume == shlex.join(["raytrain-ddp", "train", TINY, "run.name=shared", f"model.fault_log={passes}",
+                                 "dataset.rows=2048", "train.epochs=40"])  # what differs from the job's YAML
+
+    d = raytrain_ddp(*shlex.split(resume)[1:], cwd=tmp_path)
+    assert d.returncode == 0, d.stderr[-3000:]
+    assert re.search(r"resuming from epoch_\d{4}", d.stdout)
+    [finished] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert finished.info.run_id == stopped.info.run_id and finished.info.status == "FINISHED"  # one MLflow run
+    assert len(client.search_model_versions("name = 'tiny'")) == 1
+    assert not (tmp_path / "runs" / "shared" / "driver.json").exists()  # let go at the end
+    wasted = a_steps - int(resumed.group(2))
+    assert 0 <= wasted <= 128  # at most the epoch A was in when it died
+    record("driver process group SIGKILLed, same command again (then Ctrl-C, then the printed command)",
+           attempts="3 drivers", resumed=f"{resumed.group(1)} (step {resumed.group(2)})", wasted=wasted,
+           checkpoints=len([p for p in (tmp_path / "runs" / "shared").iterdir() if p.is_dir()]), versions=1,
+           note=f"second driver refused in {refused_in:.1f} s")
+
+
+def _read_until(process: subprocess.Popen, pattern: str) -> re.Match:
+    for line in process.stdout:
+        if match := re.search(pattern, line):
+            return match
+    raise AssertionError(f"the driver ended before printing {pattern!r}: {process.stderr.read()[-3000:]}")
+
+
+def _latest_checkpoint(run_dir: Path) -> Path:
+    import ray.train
+
+    return Path(ray.train.Result.from_path(run_dir).checkpoint.path)  # Ray's record: what a resume uses
+
+
+def _raylets() -> set[int]:
+    found = subprocess.run(["pgrep", "-f", "raylet/raylet"], capture_output=True, text=True).stdout.split()
+    return {int(pid) for pid in found}
+
+
+def _raylets_gone(before: set[int], wait_s: float = 20) -> bool:
+    deadline = time.monotonic() + wait_s
+    while _raylets() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return not (_raylets() - before)

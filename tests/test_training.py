@@ -1,7 +1,7 @@
 """Training for real: 2 DDP workers on a local Ray (gloo), digits read through Ray Data, MLflow on sqlite.
 
 One straight 4-epoch run is shared by the checks on sharding, global validation, checkpoints and
-MLflow; the resume test trains the same run in two halves and compares weights with it.
+MLflow. (Exact resume, after a restart, a crash or a damaged checkpoint, is test_reliability.py's.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from raytrain_ddp import recipe as recipes
 from raytrain_ddp.config import ConfigError, load_config
 from raytrain_ddp.metrics import reported_metrics
 
-# Constant LR so that "2 epochs, then 2 more" follows the same schedule as "4 epochs" (a cosine
-# schedule's length depends on the total). Checkpoints ranked by val_loss: accuracy (k/360) ties.
+# Checkpoints ranked by val_loss: accuracy (k/360) ties.
 SETTINGS = (
     "train.lr_schedule=constant",
     "checkpoint.num_to_keep=1",
@@ -26,6 +25,7 @@ SETTINGS = (
     "checkpoint.score_order=min",
 )
 DIGITS_TRAIN_ROWS, DIGITS_VAL_ROWS = 1437, 360
+STEPS_PER_EPOCH = 23  # 718 rows per worker in batches of 32
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_checkpoints_live_under_the_run_and_num_to_keep_holds(straight, module_w
     assert Path(summary.run_path) == run_dir
     kept = sorted(p.name for p in run_dir.glob("epoch_*"))
     history = _metric_history(summary, "val_loss")
-    best_epoch = min(history, key=history.get)
+    best_epoch = min(history, key=history.get) // STEPS_PER_EPOCH
     # Ray keeps the num_to_keep best by score and, for resuming, always the latest.
     assert kept == sorted({f"epoch_{best_epoch:04d}", "epoch_0004"})
     assert Path(summary.best_checkpoint) == run_dir / f"epoch_{best_epoch:04d}"
@@ -84,7 +84,9 @@ def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(
     assert run.info.status == "FINISHED" and run.info.run_id == summary.mlflow_run_id
     assert run.data.params["train.epochs"] == "4" and run.data.params["scaling.num_workers"] == "2"
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert sorted(m.step for m in history) == [23, 46, 69, 92]  # MLflow's step is the optimizer step
+    epochs = client.get_metric_history(run.info.run_id, "epoch")
+    assert sorted((m.step, m.value) for m in epochs) == [(23, 1.0), (46, 2.0), (69, 3.0), (92, 4.0)]
     # Logged as each epoch was reported, not all at the end: an epoch takes seconds here.
     logged_at = sorted(m.timestamp for m in history)
     assert all(later - earlier > 1000 for earlier, later in zip(logged_at, logged_at[1:]))
@@ -108,22 +110,6 @@ def test_the_registered_model_reproduces_the_reported_validation_accuracy(straig
     assert len(labels) == DIGITS_VAL_ROWS
     assert accuracy == pytest.approx(summary.metrics["val_accuracy"], abs=1e-9)
     assert accuracy >= 0.9
-
-
-@pytest.mark.slow
-def test_resume_continues_exactly_where_the_run_stopped(straight, module_workspace):
-    from raytrain_ddp import run
-
-    summary, _ = straight
-    first_half = load_config("digits", overrides=module_workspace.overrides(*SETTINGS, "train.epochs=2", "run.name=halves"))
-    assert run(first_half).epochs == 2
-    resumed = run(first_half.with_overrides("train.epochs=4"))
-
-    assert resumed.epochs == 4
-    assert sorted(_metric_history(resumed, "val_loss")) == [1, 2, 3, 4]  # one MLflow run, continued
-    straight_weights = ckpt.open_verified(Path(summary.run_path) / "epoch_0004").model_state()
-    resumed_weights = ckpt.open_verified(Path(resumed.run_path) / "epoch_0004").model_state()
-    torch.testing.assert_close(resumed_weights, straight_weights, rtol=0, atol=0)
 
 
 def test_every_report_carries_the_metrics_the_driver_checks_against(straight):
@@ -158,22 +144,8 @@ def test_a_score_metric_the_loop_never_reports_is_refused_before_training(ray_se
     assert not (workspace.root / "mlflow.db").exists()
 
 
-def test_a_diverging_fit_raises_and_registers_nothing(ray_session, workspace):
-    from mlflow.tracking import MlflowClient
-
-    from raytrain_ddp import RunFailed, run
-
-    job = str(Path(__file__).parent / "jobs" / "exploding.py")
-    config = load_config(job, overrides=workspace.overrides("train.epochs=2", "run.name=doomed"))
-    with pytest.raises(RunFailed, match=r"training loss is (inf|nan) in epoch 1"):
-        run(config)
-    client = MlflowClient(workspace.tracking_uri)
-    [failed] = client.search_runs([client.get_experiment_by_name("exploding").experiment_id])
-    assert failed.info.status == "FAILED"
-    assert client.search_registered_models() == []
-
-
 def _metric_history(summary, key: str) -> dict[int, float]:
+    """{optimizer step: value}"""
     from mlflow.tracking import MlflowClient
 
     history = MlflowClient(summary.tracking_uri).get_metric_history(summary.mlflow_run_id, key)

@@ -1,12 +1,23 @@
-"""A tiny recipe for the DDP-practice tests: an MLP on a generated regression table whose size the
-test chooses, served through Ray Data or as a torch Dataset.
+"""A tiny recipe for the DDP-practice and reliability tests: an MLP on a generated regression table
+whose size the test chooses, served through Ray Data (materialized, or lazy) or as a torch Dataset,
+with faults injected on request.
 
 The table does not depend on `seed` (so runs with different seeds see the same rows); `seed` still
 drives the model's initialization, the shuffle and dropout, through the service.
+
+Faults (`model.faults`, with `model.fault_log` a directory the test owns) are "RANK:N:ACTION": when
+rank RANK (or `*`, every rank) makes its N-th training forward pass, counted over all attempts of
+the run (each pass appends the worker's pid to fault_log/rank<R>.log, so the log also tells the
+attempts apart). `exit` (os._exit) and `kill` (SIGKILL) fire at pass N only; `raise` (a
+RuntimeError), `nan` (a NaN output) and `noscore` (evaluate drops the `mse` metric) hold from pass
+N on, in every later attempt too.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -18,18 +29,54 @@ from torch.utils.data import Dataset
 
 
 class MLP(nn.Module):
-    def __init__(self, dropout: float, unused_branch: bool):
+    def __init__(self, dropout: float, unused_branch: bool, faults: list[tuple[str, int, str]], fault_log: str | None):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
         # Parameters that never get a gradient: DDP needs find_unused_parameters=true for them.
         self.unused = nn.Linear(4, 1) if unused_branch else None
+        self.faults, self.fault_log = faults, fault_log
+        self.drops_score = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x).squeeze(1)
+        out = self.body(x).squeeze(1)
+        return self._inject(out) if self.training and self.fault_log else out
+
+    def _inject(self, out: torch.Tensor) -> torch.Tensor:
+        import ray.train
+
+        rank = ray.train.get_context().get_world_rank()
+        log = Path(self.fault_log) / f"rank{rank}.log"
+        with log.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        passes = len(log.read_text().split())
+        for who, n, action in self.faults:
+            if who not in ("*", str(rank)):
+                continue
+            if action == "exit" and passes == n:
+                os._exit(1)
+            if action == "kill" and passes == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if action == "raise" and passes >= n:
+                raise RuntimeError(f"injected fault at training pass {passes} of rank {rank}")
+            if action == "nan" and passes >= n:
+                out = out * float("nan")
+            if action == "noscore" and passes >= n:
+                self.drops_score = True
+        return out
 
 
-def build_model(*, dropout: float = 0.0, unused_branch: bool = False) -> nn.Module:
-    return MLP(dropout, unused_branch)
+def build_model(
+    *, dropout: float = 0.0, unused_branch: bool = False, faults: list[str] = [], fault_log: str | None = None
+) -> nn.Module:
+    parsed = []
+    for fault in faults:
+        who, n, action = fault.split(":")
+        if action not in ("exit", "kill", "raise", "nan", "noscore") or not (who == "*" or who.isdigit()):
+            raise ValueError(f"fault {fault!r}: expected RANK:N:ACTION (see tests/jobs/tiny.py)")
+        parsed.append((who, int(n), action))
+    if parsed and fault_log is None:
+        raise ValueError("faults need a fault_log directory")
+    return MLP(dropout, unused_branch, parsed, fault_log)
 
 
 class Rows(Dataset):
@@ -43,14 +90,19 @@ class Rows(Dataset):
         return {"x": self.x[i], "y": self.y[i]}
 
 
-def build_datasets(*, seed: int, rows: int = 64, val_rows: int = 15, source: Literal["ray", "torch"] = "ray"):
+def build_datasets(
+    *, seed: int, rows: int = 64, val_rows: int = 15, source: Literal["ray", "lazy-ray", "torch"] = "ray"
+):
     rng = np.random.default_rng(1234)
     x = rng.normal(size=(rows + val_rows, 4)).astype(np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype=np.float32) + 0.1 * rng.normal(size=len(x))).astype(np.float32)
     splits = {"train": (x[:rows], y[:rows]), "val": (x[rows:], y[rows:])}
     if source == "torch":
         return {name: Rows(*arrays) for name, arrays in splits.items()}
-    return {name: ray.data.from_items([{"x": a, "y": b} for a, b in zip(*arrays)]).materialize() for name, arrays in splits.items()}
+    datasets = {name: ray.data.from_items([{"x": a, "y": b} for a, b in zip(*arrays)]) for name, arrays in splits.items()}
+    if source == "lazy-ray":  # not run until training reads it: Ray Data then needs a CPU of its own
+        return {name: ds.map_batches(lambda batch: batch) for name, ds in datasets.items()}
+    return {name: ds.materialize() for name, ds in datasets.items()}
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -58,7 +110,8 @@ def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def evaluate(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
-    return {"mse": (F.mse_loss(model(batch["x"]), batch["y"], reduction="sum"), len(batch["y"]))}
+    error = F.mse_loss(model(batch["x"]), batch["y"], reduction="sum"), len(batch["y"])
+    return {"sse": error} if getattr(model, "drops_score", False) else {"mse": error}
 
 
 def model_input(batch: dict[str, torch.Tensor]) -> torch.Tensor:

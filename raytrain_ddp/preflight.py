@@ -1,0 +1,129 @@
+"""What is checked before any training worker starts, so that bad input costs seconds and writes nothing:
+the recipe on two validation rows, the score metric, whether the cluster can ever hold the workers,
+and, for a run that exists, which checkpoint it continues from and what a resume may not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import ray.data
+import torch
+from ray.data.dataset import MaterializedDataset
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.config import Config, resume_conflicts
+from raytrain_ddp.metrics import reported_metrics
+from raytrain_ddp.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a run stands: the checkpoint training continues from (None for a new run)."""
+
+    checkpoint: str | None = None  # its name in the run directory
+    epoch: float = 0.0  # epochs trained, a fraction mid-epoch
+    step: int = 0
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints that failed verification, and why
+
+
+def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor]) -> list[str]:
+    """The recipe runs on two validation rows, returns a scalar loss, and reports the score metric."""
+    try:
+        model = recipe.build_model(**config.model).eval()
+        with torch.no_grad():
+            loss = recipe.compute_loss(model, example)
+            val_names = recipe.evaluate(model, example).keys()
+    except Exception as e:  # noqa: BLE001 - the recipe's own message says what is wrong
+        return [f"recipe {recipe.name} fails on two validation rows: {type(e).__name__}: {e}"]
+    problems = []
+    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+        problems.append(f"recipe {recipe.name}: compute_loss must return a scalar tensor, got {loss!r:.80}")
+    reported = reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)
+    if config.checkpoint.score_attribute not in reported:
+        problems.append(
+            f"checkpoint.score_attribute: {config.checkpoint.score_attribute!r} is not a reported metric; "
+            f"choose one of: {', '.join(sorted(reported))}"
+        )
+    return problems
+
+
+def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
+    """Whether the cluster can ever place the workers. Ray would otherwise wait forever, silently, for
+    resources that will not come."""
+    s = config.scaling
+    per_worker = dict(s.resources_per_worker) | ({"GPU": s.resources_per_worker.get("GPU", 1.0)} if s.use_gpu else {})
+    nodes = _node_shapes()
+    capacity = {key: sum(node.get(key, 0.0) * count for node, count in nodes) for key in {"CPU", *per_worker}}
+    where = ("at most, with the autoscaler" if _autoscaling() else f"{len(nodes)} node(s)") + f": {_describe(capacity)}"
+    problems = []
+    for key, amount in per_worker.items():
+        if amount * s.num_workers > capacity.get(key, 0.0):
+            fix = "set scaling.use_gpu=false" if key == "GPU" and capacity.get("GPU", 0) == 0 else (
+                "lower scaling.num_workers or scaling.resources_per_worker")
+            problems.append(
+                f"scaling: {s.num_workers} workers × {key} {amount:g} need {key} {amount * s.num_workers:g}, "
+                f"the cluster has {capacity.get(key, 0.0):g} ({where}); {fix}"
+            )
+    if not problems and not any(all(node.get(k, 0.0) >= v for k, v in per_worker.items()) for node, _ in nodes):
+        problems.append(
+            f"scaling.resources_per_worker: no node can hold one worker's {_describe(per_worker)} "
+            f"(nodes: {'; '.join(_describe(node) for node, _ in nodes)})"
+        )
+    lazy = [name for name, ds in datasets.items() if isinstance(ds, ray.data.Dataset) and not isinstance(ds, MaterializedDataset)]
+    left = capacity.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * s.num_workers
+    if not problems and lazy and left < 1:
+        problems.append(
+            f"scaling.resources_per_worker: the workers take {capacity['CPU'] - left:g} of {capacity['CPU']:g} CPUs, and "
+            f"Ray Data needs one to run the pipeline of the unmaterialized dataset(s) {', '.join(lazy)}: without it "
+            f"training waits forever; lower resources_per_worker.CPU (e.g. {{CPU: 0.5}}), or materialize them"
+        )
+    return problems
+
+
+def check_resume(config: Config, run_path: str) -> tuple[Resume, list[str]]:
+    """Where the run stands (its newest checkpoint that verifies), and what `config` changes that a
+    resume must keep. Raises NoValidCheckpoint if the run has checkpoints and none verifies."""
+    try:
+        result = ray.train.Result.from_path(run_path)
+    except RuntimeError:  # no run directory, or nothing committed in it yet: a new run
+        return Resume(), []
+    if not result.best_checkpoints:
+        return Resume(), []
+    with ckpt.open_first_verified(ckpt.newest_first(result.best_checkpoints)) as opened:
+        metrics = opened.verified.metrics()
+        resume = Resume(opened.name, float(metrics["epoch"]), int(metrics["step"]), [str(s) for s in opened.skipped])
+        conflicts = resume_conflicts(opened.verified.config(), config)
+    return resume, [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
+
+
+def _node_shapes() -> list[tuple[dict[str, float], int]]:
+    """(resources of one node, how many such nodes): the autoscaler's node types at their maximum
+    counts where the cluster autoscales, else the nodes alive now."""
+    config = _autoscaler_config()
+    if config is not None and config.node_group_configs:
+        unlimited = 10**6
+        return [(dict(group.resources), unlimited if group.max_count < 0 else group.max_count)
+                for group in config.node_group_configs]
+    return [(node["Resources"], 1) for node in ray.nodes() if node["Alive"]]
+
+
+def _autoscaling() -> bool:
+    return _autoscaler_config() is not None
+
+
+def _autoscaler_config():
+    # Ray Train reads the same record (its own, later, check); there is no public API for it.
+    from ray._private.state import state
+
+    try:
+        return state.get_cluster_config()
+    except Exception:  # noqa: BLE001 - no autoscaler: judge by the nodes there are
+        return None
+
+
+def _describe(resources: dict[str, float]) -> str:
+    shown = {k: v for k, v in resources.items() if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))}
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(shown.items()) if v) or "nothing"

@@ -1,0 +1,249 @@
+"""Failures, for real: faults injected into the tiny recipe's workers (tests/jobs/tiny.py) on a local
+Ray; checkpoints damaged on disk; resources the cluster does not have. (A second driver and a killed
+driver are in test_cli.py: they need processes of their own.)
+
+Each scenario records its figures (attempts, where it resumed, steps trained twice, checkpoints left,
+MLflow versions) for the table printed at the end of the session; the README's reliability section
+shows the latest.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp import recipe as recipes
+from raytrain_ddp.config import ConfigError, load_config
+
+TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
+
+# 96 rows over 2 workers, batch 8: 6 steps an epoch, 18 in all. A checkpoint every 4 steps and at each
+# epoch's end: steps 4, 6 | 8, 12 | 16, 18. Every switch that takes randomness or state is on
+# (dropout, per-epoch shuffle, bf16, clipping, warmup, parameters without gradients), so an exact
+# resume has to restore all of it. Constant LR after warmup: 2 epochs + 1 more follows the same
+# schedule as 3.
+RELIABLE = (
+    "dataset.rows=96",
+    "train.epochs=3",
+    "train.lr=0.1",
+    "train.warmup_steps=4",
+    "train.grad_clip_norm=5.0",
+    "train.precision=bf16",
+    "model.dropout=0.3",
+    "model.unused_branch=true",
+    "ddp.find_unused_parameters=true",
+    "checkpoint.every_n_steps=4",
+    "checkpoint.num_to_keep=null",
+)
+
+
+def _run(workspace, *overrides: str):
+    from raytrain_ddp import run
+
+    return run(load_config(TINY, overrides=workspace.overrides(*RELIABLE, *overrides)))
+
+
+def _faults(workspace, *faults: str) -> tuple[str, str]:
+    log = workspace.root / "faults"
+    log.mkdir(exist_ok=True)
+    return f"model.faults=[{', '.join(faults)}]", f"model.fault_log={log}"
+
+
+def _attempts(workspace, rank: int) -> list[int]:
+    """Training passes rank `rank` made in each attempt (its log holds one pid per pass)."""
+    pids = (workspace.root / "faults" / f"rank{rank}.log").read_text().split()
+    return [pids.count(pid) for pid in dict.fromkeys(pids)]
+
+
+def _checkpoints(run_dir: Path) -> dict[str, str]:
+    """Every checkpoint directory left on storage, with what verification says of it."""
+    verdicts = {}
+    for directory in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+        try:
+            ckpt.verify(directory)
+            verdicts[directory.name] = "verified"
+        except ckpt.CheckpointError as e:
+            verdicts[directory.name] = str(e)
+    return verdicts
+
+
+def _versions(tracking_uri: str) -> int:
+    from mlflow.tracking import MlflowClient
+
+    return len(MlflowClient(tracking_uri).search_model_versions("name = 'tiny'"))
+
+
+def _weights(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
+    return ckpt.open_verified(run_dir / name).model_state()
+
+
+@pytest.fixture(scope="module")
+def straight(ray_session, module_workspace):
+    """The uninterrupted run every resumed one must equal."""
+    return _run(module_workspace, "run.name=straight")
+
+
+@pytest.mark.slow
+def test_the_uninterrupted_run_checkpoints_every_4_steps_and_at_each_epoch_end(straight):
+    run_dir = Path(straight.run_path)
+    assert _checkpoints(run_dir) == {
+        name: "verified"
+        for name in ("epoch_0001", "epoch_0001-step_0000004", "epoch_0002", "epoch_0002-step_0000008",
+                     "epoch_0003", "epoch_0003-step_0000016")
+    }
+    assert straight.attempts == 1 and straight.failures == []
+    assert straight.final_metrics["train_loss"] < 0.5 * ckpt.open_verified(run_dir / "epoch_0001").metrics()["train_loss"]
+    mid_epoch = ckpt.open_verified(run_dir / "epoch_0002-step_0000008")
+    assert (mid_epoch.training_state().epoch, mid_epoch.training_state().batches) == (1, 2)
+    assert mid_epoch.metrics()["epoch"] == pytest.approx(1 + 2 / 6)
+    weights = _weights(run_dir, "epoch_0003")
+    torch.manual_seed(0)
+    untrained = recipes.load(TINY).build_model(dropout=0.3, unused_branch=True).state_dict()
+    torch.testing.assert_close(weights["unused.weight"], untrained["unused.weight"])  # never got a gradient
+    assert not torch.equal(weights["body.0.weight"], untrained["body.0.weight"])
+
+
+@pytest.mark.slow
+def test_workers_killed_right_after_a_report_and_mid_epoch_resume_exactly(straight, workspace, record):
+    """Rank 1 exits at its first pass after the epoch-1 report (the checkpoint just reported must not
+    be lost), then is SIGKILLed at step 11, 3 steps after the step-8 checkpoint: the run resumes twice
+    and ends with the uninterrupted run's weights, bit for bit."""
+    summary = _run(workspace, *_faults(workspace, "'1:7:exit'", "'1:12:kill'"), "run.max_failures=2", "run.name=faulted")
+
+    assert summary.attempts == 3
+    assert "rank 1: the worker process died" in summary.failures[0]
+    assert summary.failures[0].endswith("restarted from epoch_0001")
+    assert summary.failures[1].endswith("restarted from epoch_0002-step_0000008")
+    # Passes per attempt: 7 (the 7th fatal), 5 (steps 7-11, the 11th fatal), then steps 9-18.
+    assert _attempts(workspace, rank=1) == [7, 5, 10]
+    wasted = (7 - 1) + (5 - 1) + 10 - 18  # steps completed in all attempts, less the run's steps
+    run_dir = Path(summary.run_path)
+    torch.testing.assert_close(_weights(run_dir, "epoch_0003"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0)
+    assert summary.final_metrics["train_loss"] == straight.final_metrics["train_loss"]  # epoch totals survive too
+    checkpoints = _checkpoints(run_dir)
+    assert set(checkpoints.values()) == {"verified"}
+    assert _versions(summary.tracking_uri) == 1
+    assert wasted <= 4  # at most one checkpoint interval
+    record(
+        "worker os._exit right after a report, then SIGKILL mid-epoch (max_failures=2)",
+        attempts=3, resumed="epoch_0001 (step 6); epoch_0002-step_0000008 (step 8)", wasted=f"0; {wasted}",
+        checkpoints=len(checkpoints), versions=1,
+    )
+
+
+@pytest.mark.slow
+def test_a_fault_that_repeats_stops_after_max_failures_plus_one_attempts(ray_session, workspace, record):
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ddp import RunFailed
+
+    with pytest.raises(RunFailed) as failed:
+        _run(workspace, *_faults(workspace, "'1:7:raise'"), "run.max_failures=1", "run.name=doomed")
+
+    message = str(failed.value)
+    assert "rank 1: RuntimeError: injected fault at training pass 8 of rank 1" in message  # attempt 2's first pass
+    assert "(attempt 2; run.max_failures=1)" in message
+    assert _attempts(workspace, rank=1) == [7, 1]
+    run_dir = workspace.storage / "doomed"
+    checkpoints = _checkpoints(run_dir)
+    assert checkpoints == {"epoch_0001": "verified", "epoch_0001-step_0000004": "verified"}
+    assert ckpt.open_verified(run_dir / "epoch_0001").metrics()["step"] == 6  # the last good one, whole
+    client = MlflowClient(workspace.tracking_uri)
+    [mlflow_run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert mlflow_run.info.status == "FAILED" and _versions(workspace.tracking_uri) == 0
+    record("a fault on every attempt (max_failures=1)", attempts=2, resumed="epoch_0001 (step 6)",
+           wasted="0; 0", checkpoints=len(checkpoints), versions=0)
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        ("'0:7:nan'", "training diverged: the training loss is nan at step 8 (epoch 1.333); lower train.lr"),
+        ("'*:7:noscore'", "checkpoint.score_attribute 'val_mse' is missing from the report at step 8"),
+    ],
+    ids=["nan-loss", "score-missing"],
+)
+def test_a_run_that_cannot_go_on_stops_at_once_and_keeps_its_best_checkpoint(ray_session, workspace, record, fault, says):
+    """No retry would help: every rank sees the same global metrics and stops at the same report, with
+    no checkpoint; Ray never ranks a report without the score (it would rank it best)."""
+    from raytrain_ddp import RunFailed
+
+    with pytest.raises(RunFailed, match=re.escape(says)):
+        _run(workspace, *_faults(workspace, fault), "run.max_failures=2", "run.name=stopped")
+
+    assert len(_attempts(workspace, rank=0)) == 1  # no retries
+    checkpoints = _checkpoints(workspace.storage / "stopped")
+    assert checkpoints == {"epoch_0001": "verified", "epoch_0001-step_0000004": "verified"}
+    assert _versions(workspace.tracking_uri) == 0
+    record(f"{'NaN loss' if 'nan' in fault else 'report without the score'} (max_failures=2)", attempts=1,
+           resumed="-", wasted="-", checkpoints=len(checkpoints), versions=0)
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_skipped_for_the_newest_that_verifies(straight, workspace, record):
+    from raytrain_ddp import RunFailed
+
+    first = _run(workspace, "train.epochs=2", "run.name=damaged")
+    run_dir = Path(first.run_path)
+    _flip_a_byte(run_dir / "epoch_0002" / ckpt.MODEL_FILE)
+
+    resumed = _run(workspace, "train.epochs=3", "run.name=damaged")
+
+    assert resumed.resumed.checkpoint == "epoch_0002-step_0000008"
+    assert resumed.resumed.skipped == ["epoch_0002: model.pt does not match its checksum (the bytes changed after it was written)"]
+    torch.testing.assert_close(_weights(run_dir, "epoch_0003"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0)
+    # Epoch 2, trained again, went to a directory of its own: the damaged one is evidence, not overwritten.
+    checkpoints = _checkpoints(run_dir)
+    assert checkpoints["epoch_0002-retrained"] == "verified" and "checksum" in checkpoints["epoch_0002"]
+    assert _versions(workspace.tracking_uri) == 2  # one per successful run: the 2 epochs, then the third
+    record("a flipped byte in the newest checkpoint, then run again", attempts=1, resumed="epoch_0002-step_0000008 (step 8)",
+           wasted="4 (steps 9-12, the damaged checkpoint's)", checkpoints=f"{len(checkpoints)} (1 damaged)", versions="1 more")
+
+    # Every checkpoint damaged, each in one of four ways: the run stops before training and says why.
+    damages = [
+        lambda d: (d / ckpt.MODEL_FILE).write_bytes((d / ckpt.MODEL_FILE).read_bytes()[:-10]),
+        lambda d: (d / ckpt.STATE_FILE).unlink(),
+        lambda d: (d / ckpt.MANIFEST_FILE).unlink(),
+        lambda d: _flip_a_byte(d / ckpt.STATE_FILE),
+    ]
+    for i, name in enumerate(n for n, verdict in checkpoints.items() if verdict == "verified"):
+        damages[i % len(damages)](run_dir / name)
+    with pytest.raises(RunFailed, match="run damaged cannot resume: not one checkpoint verifies") as refused:
+        _run(workspace, "train.epochs=4", "run.name=damaged")
+    for reason in ("model.pt is truncated", "train_state.pt is missing", "no manifest.json", "train_state.pt does not match"):
+        assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["scaling.num_workers=3", "scaling.resources_per_worker={CPU: 1}"], "scaling: 3 workers × CPU 1 need CPU 3, the cluster has 2 (1 node(s): CPU 2)"),
+        (["scaling.resources_per_worker={CPU: 1.5}"], "scaling: 2 workers × CPU 1.5 need CPU 3, the cluster has 2"),
+        (["scaling.use_gpu=true"], "scaling: 2 workers × GPU 1 need GPU 2, the cluster has 0 (1 node(s): CPU 2); set scaling.use_gpu=false"),
+        (["scaling.resources_per_worker={CPU: 1}", "dataset.source=lazy-ray"], "the workers take 2 of 2 CPUs, and Ray Data needs one"),
+    ],
+    ids=["too-many-workers", "too-many-cpus", "no-gpus", "no-cpu-left-for-ray-data"],
+)
+def test_resources_the_cluster_cannot_hold_are_refused_before_training(ray_session, workspace, record, overrides, says):
+    from raytrain_ddp import run
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        run(load_config(TINY, overrides=workspace.overrides(*overrides)))
+    seconds = time.monotonic() - started
+
+    assert not workspace.storage.exists() and not (workspace.root / "mlflow.db").exists()
+    assert seconds < 60  # Ray itself would wait for these resources forever
+    record(f"resources: {says.split(';')[0][:60]}…", attempts=0, resumed="-", wasted="-", checkpoints=0, versions=0,
+           note=f"refused in {seconds:.1f} s")
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
