@@ -131,6 +131,10 @@ class RunSettings(_Section):
     max_failures: int = Field(
         0, ge=-1, description="restarts of the workers, from the latest checkpoint, after a worker fails; -1 = unlimited"
     )
+    controller_poll_s: float = Field(
+        0.5, gt=0, description="how often Ray Train's controller polls the workers: the delay of progress lines, "
+        "failure detection and each checkpoint's commit, which the workers wait for (Ray's default: 2)"
+    )
 
     @model_validator(mode="after")
     def _name_is_a_directory_name(self) -> "RunSettings":
@@ -216,7 +220,9 @@ RESUMABLE = (
     "ddp.find_unused_parameters",
     "ddp.static_graph",
     "checkpoint.",
+    "run.storage_path",
     "run.max_failures",
+    "run.controller_poll_s",
     "mlflow.",
 )
 

@@ -9,7 +9,9 @@ datasets with Ray Data, fits a TorchTrainer, then registers the best checkpoint'
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import secrets
 import shlex
 import signal
@@ -17,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 import ray.data
@@ -33,6 +35,9 @@ from raytrain_ddp import data, lease, preflight, recipe as recipes, tracking
 from raytrain_ddp.config import Config, ConfigError, load_config
 from raytrain_ddp.loop import train_loop_per_worker
 from raytrain_ddp.optim import optimizer_steps
+
+
+CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
 class RunFailed(RuntimeError):
@@ -222,13 +227,29 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, r
                 datasets=datasets if ray_data else None,
                 dataset_config=data.dataset_config(),
             )
-            result = trainer.fit()
+            with _controller_poll(config.run.controller_poll_s):
+                result = trainer.fit()
     finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, sigint)
     if result.error is not None:  # V2 raises instead; never let a failed fit pass as a result
         raise result.error
     return result
+
+
+@contextlib.contextmanager
+def _controller_poll(seconds: float) -> Iterator[None]:
+    """Ray Train reads the controller's poll interval from the driver's environment when fit() starts
+    the controller (and passes it on): set it for the call, then put back the caller's."""
+    previous = os.environ.get(CONTROLLER_POLL_ENV)
+    os.environ[CONTROLLER_POLL_ENV] = str(seconds)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[CONTROLLER_POLL_ENV]
+        else:
+            os.environ[CONTROLLER_POLL_ENV] = previous
 
 
 def _register_best(config: Config, recipe: recipes.Recipe, result: ray.train.Result, run_id: str, example: dict,

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-
-# Ray Train's controller looks at its workers every 2 s, so every epoch of a tiny test job costs 2 s;
-# 0.5 s makes the many short runs here faster and changes nothing else. Set before Ray starts (the
-# CLI tests' subprocesses inherit it).
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @dataclass(frozen=True)

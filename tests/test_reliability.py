@@ -10,6 +10,7 @@ shows the latest.
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -188,21 +189,22 @@ def test_a_run_that_cannot_go_on_stops_at_once_and_keeps_its_best_checkpoint(ray
 def test_a_damaged_checkpoint_is_skipped_for_the_newest_that_verifies(straight, workspace, record):
     from raytrain_ddp import RunFailed
 
-    first = _run(workspace, "train.epochs=2", "run.name=damaged")
-    run_dir = Path(first.run_path)
-    _flip_a_byte(run_dir / "epoch_0002" / ckpt.MODEL_FILE)
+    run_dir = workspace.storage / "straight"  # a copy of the finished run (Ray's record names its
+    shutil.copytree(straight.run_path, run_dir)  # checkpoints relative to the run directory)
+    _flip_a_byte(run_dir / "epoch_0003" / ckpt.MODEL_FILE)
 
-    resumed = _run(workspace, "train.epochs=3", "run.name=damaged")
+    resumed = _run(workspace, "run.name=straight")
 
-    assert resumed.resumed.checkpoint == "epoch_0002-step_0000008"
-    assert resumed.resumed.skipped == ["epoch_0002: model.pt does not match its checksum (the bytes changed after it was written)"]
-    torch.testing.assert_close(_weights(run_dir, "epoch_0003"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0)
-    # Epoch 2, trained again, went to a directory of its own: the damaged one is evidence, not overwritten.
+    assert resumed.resumed.checkpoint == "epoch_0003-step_0000016"
+    assert resumed.resumed.skipped == ["epoch_0003: model.pt does not match its checksum (the bytes changed after it was written)"]
+    # Steps 17 and 18 trained again, into a directory of their own: the damaged one is evidence, not overwritten.
+    torch.testing.assert_close(_weights(run_dir, "epoch_0003-retrained"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0)
     checkpoints = _checkpoints(run_dir)
-    assert checkpoints["epoch_0002-retrained"] == "verified" and "checksum" in checkpoints["epoch_0002"]
-    assert _versions(workspace.tracking_uri) == 2  # one per successful run: the 2 epochs, then the third
-    record("a flipped byte in the newest checkpoint, then run again", attempts=1, resumed="epoch_0002-step_0000008 (step 8)",
-           wasted="4 (steps 9-12, the damaged checkpoint's)", checkpoints=f"{len(checkpoints)} (1 damaged)", versions="1 more")
+    assert "checksum" in checkpoints.pop("epoch_0003") and set(checkpoints.values()) == {"verified"}
+    assert Path(resumed.best_checkpoint).name == "epoch_0003-retrained"  # the damaged best was not registered
+    assert _versions(workspace.tracking_uri) == 1
+    record("a flipped byte in the newest (and best) checkpoint", attempts=1, resumed="epoch_0003-step_0000016 (step 16)",
+           wasted=2, checkpoints=f"{len(checkpoints) + 1} (1 damaged)", versions=1)
 
     # Every checkpoint damaged, each in one of four ways: the run stops before training and says why.
     damages = [
@@ -211,12 +213,15 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_that_verifies(straight, 
         lambda d: (d / ckpt.MANIFEST_FILE).unlink(),
         lambda d: _flip_a_byte(d / ckpt.STATE_FILE),
     ]
-    for i, name in enumerate(n for n, verdict in checkpoints.items() if verdict == "verified"):
+    for i, name in enumerate(checkpoints):
         damages[i % len(damages)](run_dir / name)
-    with pytest.raises(RunFailed, match="run damaged cannot resume: not one checkpoint verifies") as refused:
-        _run(workspace, "train.epochs=4", "run.name=damaged")
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match="run straight cannot resume: not one checkpoint verifies") as refused:
+        _run(workspace, "train.epochs=4", "run.name=straight")
     for reason in ("model.pt is truncated", "train_state.pt is missing", "no manifest.json", "train_state.pt does not match"):
         assert reason in str(refused.value)
+    record("every checkpoint damaged (truncated, file missing, no manifest, flipped byte)", attempts=0,
+           resumed="-", wasted="-", checkpoints="all damaged", versions=0, note=f"refused in {time.monotonic() - started:.1f} s")
 
 
 @pytest.mark.parametrize(
