@@ -25,7 +25,8 @@ overrides:
   Values are YAML: train.lr=3e-4, scaling.use_gpu=true, run.name=null, 'scaling.resources_per_worker={CPU: 2}'.
   model.* and dataset.* are the keyword arguments of the recipe's build_model / build_datasets.
   Unknown keys, wrong types and impossible values are all reported at once, before Ray starts.
-  Running again with the same run.name (and run.storage_path) resumes that run from its latest checkpoint.
+  Running again with the same run.name (and run.storage_path) resumes that run where its newest valid
+  checkpoint left off; a run another live driver is training is refused.
 
 keys (default: meaning):
 """

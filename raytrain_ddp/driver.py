@@ -91,7 +91,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     t = config.train
     batches = data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last)
     accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
-    resuming = f", resuming from {resume.checkpoint} (epoch {resume.epoch:g}, step {resume.step})" if resume.checkpoint else ""
+    resuming = f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})" if resume.checkpoint else ""
     console.print(
         f"[bold]{config.run.name}[/]: job {recipe.name}, {config.scaling.num_workers} workers × batch "
         f"{t.batch_size}{accumulation}, {train_rows} training rows "
