@@ -55,9 +55,10 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     resources that will not come."""
     s = config.scaling
     per_worker = dict(s.resources_per_worker) | ({"GPU": s.resources_per_worker.get("GPU", 1.0)} if s.use_gpu else {})
-    nodes = _node_shapes()
+    autoscaler = _autoscaler_config()
+    nodes = _node_shapes(autoscaler)
     capacity = {key: sum(node.get(key, 0.0) * count for node, count in nodes) for key in {"CPU", *per_worker}}
-    where = ("at most, with the autoscaler" if _autoscaling() else f"{len(nodes)} node(s)") + f": {_describe(capacity)}"
+    where = ("at most, with the autoscaler" if autoscaler else f"{len(nodes)} node(s)") + f": {_describe(capacity)}"
     problems = []
     for key, amount in per_worker.items():
         if amount * s.num_workers > capacity.get(key, 0.0):
@@ -99,10 +100,9 @@ def check_resume(config: Config, run_path: str) -> tuple[Resume, list[str]]:
     return resume, [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
 
 
-def _node_shapes() -> list[tuple[dict[str, float], int]]:
+def _node_shapes(config) -> list[tuple[dict[str, float], int]]:
     """(resources of one node, how many such nodes): the autoscaler's node types at their maximum
     counts where the cluster autoscales, else the nodes alive now."""
-    config = _autoscaler_config()
     if config is not None and config.node_group_configs:
         unlimited = 10**6
         return [(dict(group.resources), unlimited if group.max_count < 0 else group.max_count)
@@ -110,12 +110,9 @@ def _node_shapes() -> list[tuple[dict[str, float], int]]:
     return [(node["Resources"], 1) for node in ray.nodes() if node["Alive"]]
 
 
-def _autoscaling() -> bool:
-    return _autoscaler_config() is not None
-
-
 def _autoscaler_config():
-    # Ray Train reads the same record (its own, later, check); there is no public API for it.
+    """The autoscaler's cluster config (node types, max counts), or None without an autoscaler. Ray
+    Train reads the same record for its own, later, check; there is no public API for it."""
     from ray._private.state import state
 
     try:
