@@ -19,7 +19,9 @@ install: $(UV)
 demo: install
 	.venv/bin/raytrain-ddp train digits
 
+# System packages for the `ray up` test (sshd, rsync): installed where the machine allows, else named.
 test: install
+	bash tests/system-deps.sh
 	.venv/bin/pytest
 
 test-quick: install

@@ -154,6 +154,16 @@ class Opened:
     def name(self) -> str:
         return Path(self.checkpoint.path).name
 
+    @property
+    def location(self) -> str:
+        return location(self.checkpoint)
+
+
+def location(checkpoint: ray.train.Checkpoint) -> str:
+    """Where a checkpoint is, as users name it: a path, or a URI (`checkpoint.path` drops the scheme)."""
+    scheme = checkpoint.filesystem.type_name
+    return checkpoint.path if scheme == "local" else f"{scheme}://{checkpoint.path}"
+
 
 def newest_first(reported: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]]) -> list[ray.train.Checkpoint]:
     """A run's committed checkpoints (with the metrics reported with each), newest first: by the
@@ -171,7 +181,7 @@ def open_first_verified(checkpoints: Iterable[ray.train.Checkpoint]) -> Iterator
             try:
                 verified = open_verified(directory)
             except CheckpointError as e:
-                skipped.append(Skipped(checkpoint.path, str(e)))
+                skipped.append(Skipped(location(checkpoint), str(e)))
                 continue
             yield Opened(checkpoint, verified, skipped)
             return

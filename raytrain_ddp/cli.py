@@ -4,6 +4,7 @@
     raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
     raytrain-ddp train digits --print-config               # validate and show the resolved config
     raytrain-ddp jobs                                      # the jobs it can find
+    raytrain-ddp register runs/<name>                      # register a finished run's model later
 """
 
 from __future__ import annotations
@@ -47,11 +48,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
     commands.add_parser("jobs", help="list the jobs found in ./jobs and the project's jobs/")
+    register = commands.add_parser(
+        "register", help="register the model of a run that finished training but was not registered",
+        description="Register the best checkpoint of a finished run whose driver could not (the MLflow tracking "
+        "server was down, say). Registering twice creates no second version.",
+    )
+    register.add_argument("run", help="the run's directory: <run.storage_path>/<run.name> (a path or URI, e.g. s3://bucket/runs/name)")
+    register.add_argument("--tracking-uri", help="the MLflow tracking server (default: the one the run used)")
+    register.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
     args = parser.parse_args(argv)
 
     if args.command == "jobs":
         print("\n".join(recipes.available_jobs()) or "no jobs found in: " + ", ".join(map(str, recipes.job_search_path())))
         return 0
+    if args.command == "register":
+        return _register(args)
     try:
         config = load_config(args.job, config_file=args.config, overrides=args.overrides)
     except ConfigError as e:
@@ -61,19 +72,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
 
-    from raytrain_ddp.driver import RunFailed, RunInterrupted, run  # torch, Ray Train, MLflow: only to train
+    from raytrain_ddp.driver import RegistrationFailed, RunFailed, RunInterrupted, run  # torch, Ray, MLflow: only to train
     from raytrain_ddp.lease import RunBusy
 
     try:
         run(config, verbose=args.verbose)
-    except (ConfigError, RunBusy) as e:  # what only the recipe, the cluster or the run's record could tell
+    except (ConfigError, RunBusy) as e:  # what only the recipe, the cluster, the servers or the run's record could tell
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunInterrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 130
+    except RegistrationFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _register(args: argparse.Namespace) -> int:
+    from raytrain_ddp.checkpoint import NoValidCheckpoint
+    from raytrain_ddp.driver import register
+    from raytrain_ddp.lease import RunBusy
+
+    try:
+        register(args.run, tracking_uri=args.tracking_uri, verbose=args.verbose)
+    except (ConfigError, RunBusy, NoValidCheckpoint) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the tracking server failing mid-way, say: nothing is lost, run it again
+        print(f"error: the model was not registered: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
 

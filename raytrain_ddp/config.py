@@ -140,6 +140,7 @@ class RunSettings(_Section):
     def _name_is_a_directory_name(self) -> "RunSettings":
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             raise ValueError(f"name must be letters, digits, '.', '_' or '-' (a directory name), got {self.name!r}")
+        _refuse_credentials("storage_path", self.storage_path, "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an instance role")
         return self
 
 
@@ -151,6 +152,18 @@ class MLflowSettings(_Section):
     )
     experiment: str | None = Field(None, description="experiment name; null = the job name")
     model_name: str | None = Field(None, description="registered model name; null = the job name")
+
+    @model_validator(mode="after")
+    def _no_credentials(self) -> "MLflowSettings":
+        if self.tracking_uri is not None:
+            _refuse_credentials("tracking_uri", self.tracking_uri, "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN")
+        return self
+
+
+def _refuse_credentials(key: str, uri: str, instead: str) -> None:
+    """A config is saved in every checkpoint and logged to MLflow: it must never hold a secret."""
+    if "://" in uri and "@" in uri.split("://", 1)[1].split("/", 1)[0]:
+        raise ValueError(f"{key} must not contain credentials (user:password@); set {instead} in the environment")
 
 
 class Config(_Section):

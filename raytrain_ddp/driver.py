@@ -31,7 +31,7 @@ from rich.markup import escape
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import console as ui
-from raytrain_ddp import data, lease, preflight, recipe as recipes, tracking
+from raytrain_ddp import data, lease, preflight, recipe as recipes, storage, tracking
 from raytrain_ddp.config import Config, ConfigError, load_config
 from raytrain_ddp.loop import train_loop_per_worker
 from raytrain_ddp.optim import optimizer_steps
@@ -46,6 +46,11 @@ class RunFailed(RuntimeError):
 
 class RunInterrupted(RunFailed):
     """Training was stopped (Ctrl-C, or the run was aborted) before its last epoch."""
+
+
+class RegistrationFailed(RunFailed):
+    """Training finished and its checkpoints are safe, but the model could not be registered (the
+    tracking server went away, say); `raytrain-ddp register <run>` finishes the job later."""
 
 
 @dataclass(frozen=True)
@@ -72,14 +77,21 @@ class RunSummary:
 def run(config: Config, *, verbose: bool = False, console: Console | None = None) -> RunSummary:
     """Train `config` to its last epoch (resuming the run if it exists), register the best
     checkpoint's model, and return the summary. Raises ConfigError before any worker starts if the
-    config, the recipe, the cluster or the run's record rule it out, RunBusy if another driver is
-    training the run, RunFailed if training fails."""
+    config, the recipe, the cluster, the storage, the tracking server or the run's record rule it
+    out, RunBusy if another driver is training the run, RunFailed if training fails, and
+    RegistrationFailed if training finished but the model could not be registered."""
+    with _environment({key: os.environ.get(key, value) for key, value in tracking.BOUNDED_RETRIES.items()}):
+        return _run(config, verbose, console or Console(soft_wrap=True))
+
+
+def _run(config: Config, verbose: bool, console: Console) -> RunSummary:
     started = time.monotonic()
-    console = console or Console(soft_wrap=True)
     recipe = recipes.load(config.job)
     config = resolve(config, recipe.name)
     run_path = f"{config.run.storage_path}/{config.run.name}"
     lease.check(run_path)  # another driver training this run: refused before anything is read or written
+    if problem := tracking.check_server(config.mlflow.tracking_uri):  # seconds, not MLflow's minutes of retries
+        raise ConfigError(config.job, [problem])
 
     with console.status("Starting Ray…"):
         _connect(verbose)
@@ -119,8 +131,6 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
             epochs = int(result.metrics["epoch"]) if result.metrics else 0
             if epochs < config.train.epochs:  # how an aborted fit() returns: no error, fewer epochs
                 raise RunInterrupted(f"stopped after epoch {epochs} of {config.train.epochs}")
-            with console.status("Registering the best checkpoint's model in MLflow…"):
-                best, best_metrics, registered, artifacts = _register_best(config, recipe, result, run_id, example, console)
         except BaseException as e:
             # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
             # as SystemExit or KeyboardInterrupt, depending on when it lands.
@@ -129,7 +139,16 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
             what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})" if interrupted else f"failed: {_describe_failure(e, config, progress)}"
             kind = RunInterrupted if interrupted else RunFailed
             raise kind(f"run {config.run.name} {what}\ncheckpoints so far: {run_path}\nresume: {resume_command}") from e
-        tracking.finish_run(config, run_id, "FINISHED")
+        try:
+            with console.status("Registering the best checkpoint's model in MLflow…"):
+                best_checkpoint, best_metrics, registered, artifacts = _register_best(config, recipe, result.best_checkpoints, run_id, example, console)
+            tracking.finish_run(config, run_id, "FINISHED")
+        except Exception as e:
+            _finish_quietly(config, run_id, "FAILED")
+            raise RegistrationFailed(
+                f"run {config.run.name} finished training ({epochs} epochs), but its model was not registered: "
+                f"{ui.one_line(e)}\ncheckpoints: {run_path}\nregister it later: {shlex.join(['raytrain-ddp', 'register', run_path])}"
+            ) from e
 
     summary = RunSummary(
         run_name=config.run.name,
@@ -138,7 +157,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         workers=config.scaling.num_workers,
         metrics=best_metrics,
         final_metrics=dict(result.metrics),
-        best_checkpoint=best.path,
+        best_checkpoint=best_checkpoint,
         model=registered,
         mlflow_run_id=run_id,
         artifacts=sorted(artifacts),
@@ -152,6 +171,50 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     )
     ui.print_summary(console, summary)
     return summary
+
+
+def register(run_path: str, *, tracking_uri: str | None = None, verbose: bool = False,
+             console: Console | None = None) -> tracking.RegisteredModel:
+    """Register the best checkpoint of a run that finished training but whose model was not
+    registered (the tracking server was down, say), with the config saved in its checkpoints, into
+    `tracking_uri` (default: the one the run used). Idempotent: a version this run already
+    registered for that checkpoint is returned, not duplicated."""
+    console = console or Console(soft_wrap=True)
+    run_path = run_path.rstrip("/") if "://" in run_path else str(Path(run_path).expanduser().resolve())
+    storage_path, name = run_path.rsplit("/", 1)
+    with _environment({key: os.environ.get(key, value) for key, value in tracking.BOUNDED_RETRIES.items()}):
+        lease.check(run_path)
+        try:
+            checkpoints = ray.train.Result.from_path(run_path).best_checkpoints
+        except RuntimeError:
+            checkpoints = []
+        if not checkpoints:
+            raise ConfigError(name, [f"{run_path}: no committed checkpoint there; give the directory of a run"])
+        with ckpt.open_first_verified(ckpt.newest_first(checkpoints)) as latest:
+            saved = Config.from_dict(latest.verified.config())
+            epoch = latest.verified.metrics()["epoch"]
+        config = saved.model_copy(update={
+            "run": saved.run.model_copy(update={"storage_path": storage_path, "name": name}),
+            "mlflow": saved.mlflow.model_copy(update={"tracking_uri": tracking.resolve_tracking_uri(tracking_uri or saved.mlflow.tracking_uri)}),
+        })
+        recipe = recipes.load(config.job)
+        if epoch < config.train.epochs:
+            raise ConfigError(config.job, [
+                f"run {name} has not finished training (epoch {epoch:g} of {config.train.epochs}); "
+                f"resume it: {_resume_command(config, recipe.name)}"
+            ])
+        if problem := tracking.check_server(config.mlflow.tracking_uri):
+            raise ConfigError(config.job, [problem])
+        with console.status("Reading two validation rows for the model's input example…"):
+            _connect(verbose)
+            example = data.example_batch(_build_datasets(config, recipe)["val"])
+        with lease.Lease(run_path), console.status("Registering the best checkpoint's model in MLflow…"):
+            run_id = tracking.start_run(config)
+            best_checkpoint, _, registered, _ = _register_best(config, recipe, checkpoints, run_id, example, console)
+            tracking.finish_run(config, run_id, "FINISHED")
+    console.print(f"{name}: {best_checkpoint} is [bold]{registered.name}[/] version {registered.version} ({registered.uri}); "
+                  f"MLflow run {run_id} in {config.mlflow.tracking_uri}")
+    return registered
 
 
 def _resume_command(config: Config, job_name: str, *, epochs: str | None = None) -> str:
@@ -182,7 +245,8 @@ def _check_before_training(config: Config, recipe: recipes.Recipe, datasets: dic
     """Everything that can rule the run out without starting a worker (see preflight.py), reported
     at once as a ConfigError; a run whose checkpoints are all damaged is a RunFailed. Returns where
     the run stands."""
-    problems = preflight.check_recipe(config, recipe, example) + preflight.check_resources(config, datasets)
+    problems = (preflight.check_recipe(config, recipe, example) + preflight.check_resources(config, datasets)
+                + storage.check_shared(config.run.storage_path))
     try:
         resume, conflicts = preflight.check_resume(config, run_path)
     except ckpt.NoValidCheckpoint as e:
@@ -227,7 +291,8 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, r
                 datasets=datasets if ray_data else None,
                 dataset_config=data.dataset_config(),
             )
-            with _controller_poll(config.run.controller_poll_s):
+            # Ray Train reads the controller's poll interval from the driver's environment at fit().
+            with _environment({CONTROLLER_POLL_ENV: str(config.run.controller_poll_s)}):
                 result = trainer.fit()
     finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
         if threading.current_thread() is threading.main_thread():
@@ -238,25 +303,26 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, r
 
 
 @contextlib.contextmanager
-def _controller_poll(seconds: float) -> Iterator[None]:
-    """Ray Train reads the controller's poll interval from the driver's environment when fit() starts
-    the controller (and passes it on): set it for the call, then put back the caller's."""
-    previous = os.environ.get(CONTROLLER_POLL_ENV)
-    os.environ[CONTROLLER_POLL_ENV] = str(seconds)
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the call, then put back the caller's (a notebook's, say)."""
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if previous is None:
-            del os.environ[CONTROLLER_POLL_ENV]
-        else:
-            os.environ[CONTROLLER_POLL_ENV] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
-def _register_best(config: Config, recipe: recipes.Recipe, result: ray.train.Result, run_id: str, example: dict,
+def _register_best(config: Config, recipe: recipes.Recipe, checkpoints: list, run_id: str, example: dict,
                    console: Console):
-    """Register the best checkpoint that verifies (saying which better ones were damaged)."""
+    """Register the best of the run's (checkpoint, metrics) that verifies (saying which better ones
+    were damaged). Returns where it is, its metrics, the registered version and the recipe's texts."""
     score, order = config.checkpoint.score_attribute, config.checkpoint.score_order
-    ranked = sorted(result.best_checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")
+    ranked = sorted(checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")
     model = recipe.build_model(**config.model)
     with ckpt.open_first_verified(checkpoint for checkpoint, _ in ranked) as best:
         for skipped in best.skipped:
@@ -265,13 +331,13 @@ def _register_best(config: Config, recipe: recipes.Recipe, result: ray.train.Res
         metrics = best.verified.metrics()
     # Two rows, so the exported model keeps a dynamic batch dimension.
     input_example = recipe.model_input(example).numpy()
-    registered = tracking.register_model(config, run_id, model, input_example, best.checkpoint.path)
+    registered = tracking.register_model(config, run_id, model, input_example, best.location)
     artifacts = {}
     if recipe.artifacts is not None:
         with torch.no_grad():
             artifacts = recipe.artifacts(model.eval())
         tracking.log_texts(config, run_id, artifacts)
-    return best.checkpoint, metrics, registered, artifacts
+    return best.location, metrics, registered, artifacts
 
 
 def _describe_failure(error: BaseException, config: Config, progress: ui.LiveProgress) -> str:

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import pyarrow.fs
 
+from raytrain_ddp import storage
+
 LEASE_FILE = "driver.json"
 RENEW_EVERY_S = 10.0
 STALE_AFTER_S = 60.0
@@ -132,10 +134,8 @@ def _check(fs: pyarrow.fs.FileSystem, path: str, me: str | None = None) -> Holde
 
 
 def _locate(run_path: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    if "://" in run_path:
-        fs, path = pyarrow.fs.FileSystem.from_uri(run_path)
-        return fs, f"{path}/{LEASE_FILE}"
-    return pyarrow.fs.LocalFileSystem(), f"{run_path}/{LEASE_FILE}"
+    fs, path = storage.locate(run_path)
+    return fs, f"{path}/{LEASE_FILE}"
 
 
 def _read(fs: pyarrow.fs.FileSystem, path: str) -> Holder | None:

@@ -31,6 +31,13 @@ RUN_NAME_TAG = "raytrain_ddp.run_name"
 RUN_PATH_TAG = "raytrain_ddp.run_path"  # <storage_path>/<run name>: with the name, what identifies a run
 CHECKPOINT_TAG = "raytrain_ddp.checkpoint"
 MODEL_ARTIFACT = "model"
+# MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
+# is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
+BOUNDED_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,47 @@ def resolve_tracking_uri(setting: str | None) -> str:
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         return prefix + str(Path(uri.removeprefix(prefix)).resolve())
     return uri
+
+
+def check_server(tracking_uri: str, connect_timeout_s: float = 4.0, answer_timeout_s: float = 60.0) -> str | None:
+    """For an HTTP(S) tracking server: one API call, with the environment's credentials and no
+    retries, so a server that is down or unreachable (no connection within `connect_timeout_s`), or
+    that refuses the credentials, is reported in seconds, before anything trains (MLflow's own client
+    retries for minutes). A server that accepts the connection gets `answer_timeout_s` to answer: a
+    busy server's first call can be slow. Returns the problem, or None; never shows credentials."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        response = http_request(
+            get_default_host_creds(tracking_uri), "/api/2.0/mlflow/experiments/search", "GET",
+            params={"max_results": 1}, max_retries=0, timeout=(connect_timeout_s, answer_timeout_s), raise_on_status=False,
+        )
+    except MlflowException as e:
+        return (f"mlflow.tracking_uri: the MLflow tracking server {tracking_uri} is unreachable "
+                f"({_network_reason(e.__cause__ or e.__context__, connect_timeout_s, answer_timeout_s)}); start it, "
+                "or point mlflow.tracking_uri (or MLFLOW_TRACKING_URI) at one that runs")
+    if response.status_code in (401, 403):
+        return (f"mlflow.tracking_uri: the MLflow tracking server {tracking_uri} refused the credentials "
+                f"(HTTP {response.status_code}); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                "(or MLFLOW_TRACKING_TOKEN) in the environment")
+    if response.status_code != 200:
+        return (f"mlflow.tracking_uri: {tracking_uri} does not answer like an MLflow tracking server "
+                f"(HTTP {response.status_code} for its experiments API)")
+    return None
+
+
+def _network_reason(error: BaseException | None, connect_timeout_s: float, answer_timeout_s: float) -> str:
+    text = str(error)
+    for marker, reason in (("Connection refused", "connection refused"),
+                           ("connect timeout", f"no connection within {connect_timeout_s:g} s"),
+                           ("Read timed out", f"connected, but no answer within {answer_timeout_s:g} s"),
+                           ("Name or service not known", "unknown host"), ("Failed to resolve", "unknown host")):
+        if marker in text:
+            return reason
+    return type(error).__name__
 
 
 def ui_command(tracking_uri: str) -> str:
@@ -94,11 +142,9 @@ def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED"
 class MLflowMetrics(ray.train.UserCallback):
     """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
 
-    An exception here would end the run as a controller error, which Ray never retries, so a store
-    that is briefly unavailable costs a warning, not the training; every checkpoint's metrics.json
-    keeps the numbers."""
-
-    ATTEMPTS = 3
+    An exception here would end the run as a controller error, which Ray never retries, and the
+    controller waits for this call, so a store that is unavailable costs a warning and seconds (see
+    BOUNDED_RETRIES), not the training; every checkpoint's metrics.json keeps the numbers."""
 
     def __init__(self, tracking_uri: str, run_id: str):
         self.tracking_uri, self.run_id = tracking_uri, run_id
@@ -108,14 +154,12 @@ class MLflowMetrics(ray.train.UserCallback):
         now = int(time.time() * 1000)
         step = int(reported["step"])  # the optimizer step: the x-axis of every metric (epoch is a metric)
         batch = [Metric(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
-        for attempt in range(1, self.ATTEMPTS + 1):
-            try:
-                MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
-                return
-            except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
-                if attempt == self.ATTEMPTS:
-                    logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
-                time.sleep(attempt)
+        for key, value in BOUNDED_RETRIES.items():  # the controller's own process
+            os.environ.setdefault(key, value)
+        try:
+            MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+        except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
+            logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
 
 
 def register_model(

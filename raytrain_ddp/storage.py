@@ -1,0 +1,97 @@
+"""Where runs live: `run.storage_path`, a local or mounted directory or a URI (s3://bucket/prefix).
+
+Files go through pyarrow, as Ray Train's own do, so an s3:// path takes its endpoint and credentials
+from the standard AWS environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_DEFAULT_REGION, or ~/.aws/config and an instance role).
+
+On a cluster of several nodes every node must see the same storage: rank 0 writes checkpoints on
+its node, a restarted worker reads them on another, the driver registers from its own.
+`check_shared` proves it before training by writing a probe file from every node (and the driver)
+and reading them all back from every one.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+
+import pyarrow.fs
+
+PROBE_TIMEOUT_S = 60.0
+
+
+def locate(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    """The filesystem of a storage path or URI, and the path within it."""
+    if "://" in path:
+        return pyarrow.fs.FileSystem.from_uri(path)
+    return pyarrow.fs.LocalFileSystem(), path
+
+
+def check_shared(storage_path: str) -> list[str]:
+    """On a cluster of more than one node: whether every node, and this driver, can write to
+    `storage_path` and see what every other one wrote there. Returns the problems (none on one node)."""
+    import ray  # here, not at the top: the lease, which needs `locate`, is imported by the CLI
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+    if len(nodes) < 2:
+        return []
+    probe_dir = f"{storage_path.rstrip('/')}/.raytrain_ddp-probe-{secrets.token_hex(4)}"
+    where = {"driver": f"the driver ({socket.gethostname()})"} | {
+        node_id: f"node {address} ({node_id[:8]})" for node_id, address in nodes.items()
+    }
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(_probe_here)
+
+    def on_every_node(step: str) -> dict[str, str | list[str]]:
+        refs = {
+            node_id: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                step, probe_dir, node_id
+            )
+            for node_id in nodes
+        }
+        answers = {"driver": _probe_here(step, probe_dir, "driver")}
+        for node_id, ref in refs.items():
+            try:
+                answers[node_id] = ray.get(ref, timeout=PROBE_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                answers[node_id] = f"no answer within {PROBE_TIMEOUT_S:g} s"
+        return answers
+
+    problems = []
+    try:
+        failed = {who: error for who, error in on_every_node("write").items() if error}
+        problems += [f"run.storage_path: {where[who]} cannot write to {storage_path}: {error}" for who, error in failed.items()]
+        if not failed:
+            for who, seen in on_every_node("list").items():
+                if isinstance(seen, str):
+                    problems.append(f"run.storage_path: {where[who]} cannot list {storage_path}: {seen}")
+                elif missing := sorted(where[other] for other in where if other not in seen):
+                    problems.append(
+                        f"run.storage_path: {storage_path} is not shared by the cluster's nodes: {where[who]} does "
+                        f"not see the files written there by {', '.join(missing)}. Use a path every node mounts "
+                        "(NFS, EFS) or an s3:// URI"
+                    )
+    finally:
+        on_every_node("delete")
+    return problems
+
+
+def _probe_here(step: str, probe_dir: str, me: str) -> str | list[str]:
+    """One step of the probe, on this process's node: "write" this node's file (returns an error or
+    ""), "list" the names found (or an error), "delete" this node's file."""
+    fs, directory = locate(probe_dir)
+    try:
+        if step == "write":
+            fs.create_dir(directory, recursive=True)
+            with fs.open_output_stream(f"{directory}/{me}") as f:
+                f.write(b"probe")
+        elif step == "list":
+            return [info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(directory, allow_not_found=True))]
+        else:
+            fs.delete_file(f"{directory}/{me}")
+            if not fs.get_file_info(pyarrow.fs.FileSelector(directory, allow_not_found=True)):
+                fs.delete_dir(directory)
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
