@@ -1,0 +1,274 @@
+"""Real servers on loopback for the tests that run the service where users run it: an MLflow tracking
+server (`mlflow server`), an S3 server (moto's server mode) and a 2-node Ray cluster (`ray start`).
+
+Each runs as its own process group with its files in a directory the test owns, and is stopped by
+PID: never `ray stop`, which would end every Ray on the machine, the test session's own included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+BIN = Path(sys.executable).parent  # the venv's executables: mlflow, moto_server, ray, raytrain-ddp
+REPO = Path(__file__).resolve().parent.parent
+
+
+def user_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a user's shell: no tracking URI or Ray address inherited from the test
+    session, plus `extra`."""
+    return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")} | (extra or {})
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`raytrain-ddp ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run([str(BIN / "raytrain-ddp"), *args], cwd=cwd, env=user_env(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not ready after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL what is left after 10 s."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def kill_processes_mentioning(text: str) -> None:
+    """SIGKILL every process whose command line contains `text` (a cluster's private directory)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class S3Server:
+    """moto's S3 in server mode; `env` is the standard AWS environment that points at it."""
+
+    root: Path
+    bucket: str = "raytrain"
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def start(self) -> "S3Server":
+        log = open(self.root / "moto.log", "w")
+        self.process = subprocess.Popen(
+            [BIN / "moto_server", "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=log, start_new_session=True
+        )
+        wait_until(lambda: answers(self.endpoint), 60, "moto S3 server")
+        self.client().create_bucket(Bucket=self.bucket)
+        return self
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+
+    def keys(self, prefix: str) -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+    def stop(self) -> None:
+        if self.process:
+            stop_group(self.process)
+
+
+@dataclass
+class MLflowServer:
+    """`mlflow server` with a sqlite store and proxied artifacts (a directory, or s3:// with `env`
+    pointing at an S3 server); `auth=True` runs MLflow's basic-auth app, whose admin password is
+    `password`. Stop and start it again to take it away and bring it back with the same data."""
+
+    root: Path
+    artifacts: str | None = None
+    auth: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    password: str = field(default_factory=lambda: "pw-" + secrets.token_hex(8))
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        """MLflow's standard environment variables for a client of this server."""
+        return {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": self.password} if self.auth else {}
+
+    def start(self) -> "MLflowServer":
+        env = {**os.environ, **self.env}
+        command = [
+            BIN / "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination", self.artifacts or str(self.root / "artifacts"),
+        ]
+        if self.auth:
+            config = self.root / "auth.ini"
+            config.write_text(
+                "[mlflow]\ndefault_permission = READ\n"
+                f"database_uri = sqlite:///{self.root / 'auth.db'}\n"
+                f"admin_username = admin\nadmin_password = {self.password}\n"
+                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            )
+            env |= {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+            command += ["--app-name", "basic-auth"]
+        log = open(self.root / "mlflow-server.log", "a")
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
+        wait_until(lambda: answers(f"{self.url}/health"), 120, "mlflow server")
+        return self
+
+    def stop(self) -> None:
+        if self.process:
+            stop_group(self.process)
+            self.process = None
+
+    def client(self):
+        """An MlflowClient of this server; with auth, the caller sets `credentials` in the
+        environment (MLflow reads them per request), e.g. with monkeypatch.setenv."""
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self.url)
+
+
+@dataclass
+class LoopbackCluster:
+    """A real 2-node Ray cluster on this machine: `ray start --head` and `ray start --address`, token
+    authentication on, the dashboard on 127.0.0.1, each node with its own temp dir (so the processes
+    of each are found, and stopped, by it). `node_local` is a directory that only the worker node
+    sees as it is: that node runs in its own mount namespace with a tmpfs mounted over it."""
+
+    root: Path
+    cpus_per_node: int = 2
+    gcs_port: int = field(default_factory=free_port)
+    dashboard_port: int = field(default_factory=free_port)
+    node_local_isolated: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def node_local(self) -> Path:
+        return self.root / "node-local"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client of this cluster needs: its token, and the venv's executables first on PATH."""
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))},
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.root / "token"),
+            "RAY_ADDRESS": self.address,
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+        }
+
+    def _node_env(self, name: str) -> dict[str, str]:
+        temp = self.root / name
+        temp.mkdir(exist_ok=True)
+        env = {k: v for k, v in self.env.items() if k != "RAY_ADDRESS"}
+        return env | {"RAY_TMPDIR": str(temp), "TMPDIR": str(temp)}
+
+    def start(self) -> "LoopbackCluster":
+        (self.root / "token").write_text(secrets.token_hex(32))
+        self.node_local.mkdir(exist_ok=True)
+        common = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats"]
+        head = [
+            str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={self.root / 'head'}", *common,
+        ]
+        self._run(head, self._node_env("head"))
+        worker = [
+            str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}", f"--temp-dir={self.root / 'worker'}",
+            f"--dashboard-agent-listen-port={free_port()}", *common,
+        ]
+        # The worker node's own view of node_local, where the machine allows a mount namespace (root):
+        # a tmpfs the head never sees.
+        unshare = ["unshare", "--mount", "--propagation", "private"]
+        self.node_local_isolated = bool(shutil.which("unshare")) and subprocess.run(
+            [*unshare, "true"], capture_output=True).returncode == 0
+        if self.node_local_isolated:
+            worker = [*unshare, "sh", "-c", f"mount -t tmpfs tmpfs {self.node_local} && exec {' '.join(worker)}"]
+        self._run(worker, self._node_env("worker"))
+        wait_until(lambda: len(self.nodes()) == 2, 60, "2-node Ray cluster")
+        return self
+
+    def nodes(self) -> list[dict]:
+        out = self.ray("list", "nodes", "--format=json", "--filter", "state=ALIVE", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
+
+    def ray(self, *args: str, check: bool = True, timeout: int = 120) -> subprocess.CompletedProcess:
+        """The ray CLI, as a user of this cluster runs it."""
+        return subprocess.run([str(BIN / "ray"), *args], env=self.env, capture_output=True, text=True,
+                              check=check, timeout=timeout, cwd=REPO)
+
+    def stop(self) -> None:
+        for name in ("worker", "head"):
+            kill_processes_mentioning(str(self.root / name))
+
+    def _run(self, command: list[str], env: dict[str, str]) -> None:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")

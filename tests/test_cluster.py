@@ -1,0 +1,115 @@
+"""`ray job submit` to a real 2-node Ray cluster on loopback (token authentication, dashboard on
+127.0.0.1), as the README documents it: workers on both nodes, the driver and the controller on the
+head without taking worker resources, checkpoints on storage both nodes share, the model registered
+in a real MLflow tracking server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from raytrain_ddp import checkpoint
+from services import LoopbackCluster, MLflowServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # A short private directory: Ray's socket paths under it must stay below the OS limit.
+    root = Path(tempfile.mkdtemp(prefix="rtc", dir="/tmp"))
+    cluster = LoopbackCluster(root)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MLflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
+    yield server
+    server.stop()
+
+
+def submit(cluster: LoopbackCluster, *train_args: str) -> tuple[str, str]:
+    """The README's command; returns the submission id and the job's logs."""
+    job_id = f"tiny-{secrets.token_hex(3)}"
+    cluster.ray(
+        "job", "submit", f"--submission-id={job_id}", "--working-dir", ".", "--",
+        "raytrain-ddp", "train", "tests/jobs/tiny.py", *train_args, check=False, timeout=600,
+    )
+    return job_id, cluster.ray("job", "logs", job_id).stdout
+
+
+def job_info(cluster: LoopbackCluster, job_id: str) -> dict:
+    jobs = json.loads(cluster.ray("list", "jobs", "--detail", "--format=json").stdout)
+    return next(job for job in jobs if job["submission_id"] == job_id)
+
+
+def test_job_submit_trains_on_both_nodes_and_registers(cluster, mlflow_server, tmp_path):
+    shared = tmp_path / "runs"  # one file system for both nodes of this machine
+    job_id, logs = submit(
+        cluster,
+        "run.name=submitted",
+        f"run.storage_path={shared}",
+        f"mlflow.tracking_uri={mlflow_server.url}",
+        "train.epochs=2",
+        # 1.5 of each node's 2 CPUs: one worker per node, and half a CPU left on each for Ray Data.
+        "scaling.resources_per_worker={CPU: 1.5}",
+    )
+
+    info = job_info(cluster, job_id)
+    assert info["status"] == "SUCCEEDED", logs[-3000:]
+    assert re.search(r"^submitted finished: 2 epochs in ", logs, re.M), logs[-3000:]
+    assert re.search(r"^  registered model +tiny  version 1$", logs, re.M)
+    assert re.search(r"^epoch +2/2 +train_loss", logs, re.M)  # live progress reaches the job's log
+
+    head = next(node["node_id"] for node in cluster.nodes() if node["is_head_node"])
+    actors = json.loads(cluster.ray("list", "actors", "--detail", "--format=json", "--limit=1000").stdout)
+    workers = {a["node_id"] for a in actors if a["class_name"] == "RayTrainWorker" and a["job_id"] == info["job_id"]}
+    controllers = {a["node_id"] for a in actors if a["class_name"] == "TrainController" and a["job_id"] == info["job_id"]}
+    assert workers == {node["node_id"] for node in cluster.nodes()}  # one worker on each node
+    assert info["driver_node_id"] == head and controllers == {head}
+    assert not info.get("entrypoint_num_cpus") and not info.get("entrypoint_resources")  # off worker resources
+
+    best = shared / "submitted" / "epoch_0002"
+    checkpoint.verify(best)
+    version = mlflow_server.client().get_model_version("tiny", "1")
+    assert version.tags[tracking_tag()] == str(best)
+    history = mlflow_server.client().get_metric_history(version.run_id, "val_mse")
+    assert len(history) == 2
+
+
+def test_storage_that_only_one_node_sees_is_refused_before_training(cluster, tmp_path):
+    if not cluster.node_local_isolated:
+        message = "needs a mount namespace (unshare, as root) to give one node a directory the other cannot see"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    job_id, logs = submit(
+        cluster,
+        f"run.storage_path={cluster.node_local}",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "scaling.resources_per_worker={CPU: 1.5}",
+    )
+
+    assert job_info(cluster, job_id)["status"] == "FAILED"
+    assert f"run.storage_path: {cluster.node_local} is not shared by the cluster's nodes" in logs
+    assert "Use a path every node mounts (NFS, EFS) or an s3:// URI" in logs
+    assert "epoch   1/" not in logs  # nothing trained
+    assert list(cluster.node_local.iterdir()) == []  # the probe cleaned up after itself, here at least
+
+
+def tracking_tag() -> str:
+    from raytrain_ddp.tracking import CHECKPOINT_TAG
+
+    return CHECKPOINT_TAG
