@@ -139,3 +139,15 @@ def test_cli_help_lists_every_key_with_its_default(capsys):
     for line in ("train.epochs (10):", "train.optimizer (adamw|sgd):", "ddp.find_unused_parameters (false):",
                  "run.storage_path (./runs):", "key.sub=value"):
         assert line in out
+
+
+def test_credentials_in_a_uri_are_refused_without_repeating_them():
+    found = problems("mlflow.tracking_uri=http://alice:hunter2@mlflow.internal:5000", "run.storage_path=s3://AKIA:s3cr3t@bucket/runs")
+
+    assert found == [
+        "run: storage_path must not contain credentials (user:password@); set AWS_ACCESS_KEY_ID / "
+        "AWS_SECRET_ACCESS_KEY or an instance role in the environment",
+        "mlflow: tracking_uri must not contain credentials (user:password@); set MLFLOW_TRACKING_USERNAME / "
+        "MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN in the environment",
+    ]
+    assert load_config("digits", overrides=["mlflow.tracking_uri=http://mlflow.internal:5000"]).mlflow.tracking_uri
