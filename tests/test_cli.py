@@ -14,13 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from services import cli as raytrain_ddp, user_env
+
 CLI = str(Path(sys.executable).parent / "raytrain-ddp")
 TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
-
-
-def raytrain_ddp(*args: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
-    return subprocess.run([CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_bad_config_fails_before_anything_is_created(tmp_path):
@@ -72,7 +69,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
     passes = tmp_path / "passes"  # tiny.py logs each training pass, per rank (no faults injected)
     passes.mkdir()
     command = [CLI, "train", TINY, "dataset.rows=2048", "train.epochs=40", "run.name=shared", f"model.fault_log={passes}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    env = user_env()
     raylets_before = _raylets()
 
     a = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

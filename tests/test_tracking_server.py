@@ -1,0 +1,110 @@
+"""A real MLflow tracking server (`mlflow server` on loopback, with MLflow's basic-auth app): training
+over HTTP with credentials from MLflow's environment variables (and never anywhere else), a server
+that cannot be reached before training, one that goes away after it, and `raytrain-ddp register`
+finishing the registration later, once."""
+
+from __future__ import annotations
+
+import io
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from rich.console import Console
+
+from raytrain_ddp import ConfigError, checkpoint, load_config, run
+from services import BIN, MLflowServer, cli, free_port, user_env, wait_until
+
+TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
+
+
+def test_an_unreachable_tracking_server_is_refused_in_seconds_before_anything_starts(workspace):
+    closed = f"http://127.0.0.1:{free_port()}"
+    with socket.socket() as silent, socket.socket() as filler:
+        # A listener whose queue is full drops new connections unanswered, as a firewall does.
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        filler.connect(silent.getsockname())
+        firewalled = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        for uri, reason in ((closed, "connection refused"), (firewalled, "no connection within 4 s")):
+            config = load_config(TINY, overrides=workspace.overrides(f"mlflow.tracking_uri={uri}"))
+            started = time.monotonic()
+            with pytest.raises(ConfigError) as refused:
+                run(config, console=Console(file=io.StringIO()))
+
+            assert time.monotonic() - started < 5
+            assert f"mlflow.tracking_uri: the MLflow tracking server {uri} is unreachable ({reason})" in str(refused.value)
+    assert not workspace.storage.exists()  # nothing written, nothing started
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = MLflowServer(tmp_path_factory.mktemp("mlflow-server"), auth=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_server_gone_after_training_then_register_later_once(server, workspace, monkeypatch):
+    """Credentials come from MLFLOW_TRACKING_USERNAME/PASSWORD; wrong ones are refused before
+    training. The server is stopped the moment the last checkpoint lands: training still finishes,
+    the checkpoints are safe, the driver exits 3 naming `raytrain-ddp register`; with the server
+    back, registering twice gives one version."""
+    overrides = [*workspace.overrides("run.name=away", "train.epochs=3", f"mlflow.tracking_uri={server.url}")]
+
+    wrong = cli("train", TINY, *overrides, cwd=workspace.root,
+                env={"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "not-the-password"})
+    assert wrong.returncode == 2, wrong.stderr[-3000:]
+    assert "refused the credentials (HTTP 401); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" in wrong.stderr
+    assert not (workspace.storage / "away").exists()
+
+    run_path = workspace.storage / "away"
+    env = user_env(server.credentials)
+    driver = subprocess.Popen([str(BIN / "raytrain-ddp"), "train", TINY, *overrides], cwd=workspace.root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: (run_path / "epoch_0003" / "manifest.json").exists() or driver.poll() is not None, 600, "last checkpoint")
+    server.stop()
+    out, err = driver.communicate(timeout=600)
+
+    assert driver.returncode == 3, err[-3000:]
+    assert "run away finished training (3 epochs), but its model was not registered" in err
+    assert f"register it later: raytrain-ddp register {run_path}" in err
+    kept = sorted(p for p in run_path.iterdir() if p.name.startswith("epoch_"))
+    assert run_path / "epoch_0003" in kept
+    for directory in kept:
+        checkpoint.verify(directory)  # safe: whole, and what Ray committed
+
+    server.start()  # the same store, back
+    first = cli("register", str(run_path), cwd=workspace.root, env=server.credentials)
+    again = cli("register", str(run_path), cwd=workspace.root, env=server.credentials)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.search(rf"{re.escape(str(run_path))}/epoch_000\d is tiny version 1", first.stdout)
+    assert "is tiny version 1" in again.stdout
+
+    for key, value in server.credentials.items():
+        monkeypatch.setenv(key, value)
+    client = server.client()
+    [version] = client.search_model_versions("name = 'tiny'")
+    training = client.get_run(version.run_id)
+    assert training.info.status == "FINISHED" and training.info.run_name == "away"
+    assert [m.value for m in client.get_metric_history(version.run_id, "epoch")][:2] == [1, 2]  # logged live
+    assert "config.yaml" in {a.path for a in client.list_artifacts(version.run_id)}
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(server.url)  # models:/ URIs resolve through MLflow's global tracking URI
+    try:
+        model = mlflow.pyfunc.load_model("models:/tiny/1")
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert model.predict(np.zeros((3, 4), dtype=np.float32)).shape == (3,)  # the registered model, served back
+
+    secret = server.password
+    assert all(secret not in value for value in training.data.params.values())
+    assert secret not in (run_path / "epoch_0003" / "config.json").read_text()
+    for output in (out, err, first.stdout, first.stderr, wrong.stdout, wrong.stderr):
+        assert secret not in output
