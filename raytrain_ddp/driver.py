@@ -90,8 +90,10 @@ def _run(config: Config, verbose: bool, console: Console) -> RunSummary:
     config = resolve(config, recipe.name)
     run_path = f"{config.run.storage_path}/{config.run.name}"
     lease.check(run_path)  # another driver training this run: refused before anything is read or written
-    if problem := tracking.check_server(config.mlflow.tracking_uri):  # seconds, not MLflow's minutes of retries
-        raise ConfigError(config.job, [problem])
+    # Seconds, before Ray starts: where the run would be lost, a tracking server that cannot be reached.
+    server = tracking.check_server(config.mlflow.tracking_uri)
+    if problems := preflight.check_lasting_paths(config) + ([server] if server else []):
+        raise ConfigError(config.job, problems)
 
     with console.status("Starting Ray…"):
         _connect(verbose)

@@ -50,6 +50,24 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
     return problems
 
 
+def check_lasting_paths(config: Config) -> list[str]:
+    """Under `ray job submit` the driver runs in a copy of the working directory that Ray deletes
+    after the job: the relative defaults (./runs, sqlite:///mlflow.db) would vanish with it."""
+    temporary = "/runtime_resources/"  # where Ray unpacks a job's working_dir, in its session directory
+    problems = []
+    if temporary in config.run.storage_path:
+        problems.append(
+            f"run.storage_path: {config.run.storage_path} is in the job's temporary working directory, which Ray "
+            "deletes when the job ends; set run.storage_path to storage that outlasts it (s3://bucket/runs, a shared mount)"
+        )
+    if config.mlflow.tracking_uri.startswith("sqlite:") and temporary in config.mlflow.tracking_uri:
+        problems.append(
+            f"mlflow.tracking_uri: {config.mlflow.tracking_uri} is in the job's temporary working directory, which Ray "
+            "deletes when the job ends; set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to a tracking server"
+        )
+    return problems
+
+
 def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     """Whether the cluster can ever place the workers. Ray would otherwise wait forever, silently, for
     resources that will not come."""
