@@ -1,8 +1,9 @@
 """Real servers on loopback for the tests that run the service where users run it: an MLflow tracking
-server (`mlflow server`), an S3 server (moto's server mode) and a 2-node Ray cluster (`ray start`).
+server (`mlflow server`), an S3 server (moto's server mode), a 2-node Ray cluster (`ray start`), and
+the helpers the `ray up` test's sshd needs: free ports, waiting for them, ending processes.
 
-Each runs as its own process group with its files in a directory the test owns, and is stopped by
-PID: never `ray stop`, which would end every Ray on the machine, the test session's own included.
+Each runs with its files in a directory the test owns and is stopped by PID, never by name: never
+`ray stop`, which would end every Ray on the machine, the test session's own included.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 BIN = Path(sys.executable).parent  # the venv's executables: mlflow, moto_server, ray, raytrain-ddp
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,12 +38,6 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int =
     """`raytrain-ddp ARGS` in a fresh process, as a user runs it."""
     return subprocess.run([str(BIN / "raytrain-ddp"), *args], cwd=cwd, env=user_env(env),
                           capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -72,20 +69,91 @@ def stop_group(process: subprocess.Popen) -> None:
             continue
 
 
-def kill_processes_mentioning(text: str) -> None:
-    """SIGKILL every process whose command line contains `text` (a cluster's private directory)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
+def free_port() -> int:
+    """A TCP port free on every local address right now (the kernel's pick). Another process may take
+    it before the caller binds it: good enough for tests, which each pick their own."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float = 30, process: subprocess.Popen | None = None) -> None:
+    """Return once something accepts TCP connections on host:port. Raises TimeoutError after
+    timeout_s, or RuntimeError at once if `process` (the server being waited for) has exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            with socket.create_connection((host, port), timeout=1):
+                return
         except OSError:
-            continue
-        if text in cmdline:
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before listening on {host}:{port}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:g} s")
+            time.sleep(0.1)
+
+
+def kill_tree(pid: int, timeout_s: float = 3) -> list[int]:
+    """End a process and all its descendants: SIGTERM, then SIGKILL for those still alive after
+    timeout_s. Returns the PIDs it signalled (none if the process is already gone)."""
+    try:
+        root = psutil.Process(pid)
+        return _terminate([root, *root.children(recursive=True)], timeout_s)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def processes_with(needle: str) -> list[psutil.Process]:
+    """The processes whose command line contains `needle`, never the calling process or its ancestors."""
+    spared = _self_and_ancestors()
+    return [p for p in psutil.process_iter(["cmdline"]) if p.pid not in spared and needle in " ".join(p.info["cmdline"] or ())]
+
+
+def kill_processes_with(needle: str, timeout_s: float = 3) -> list[int]:
+    """End every process whose command line contains `needle` (an absolute path of at least two
+    levels, such as a test's own temporary directory), and all their descendants; never the calling
+    process or its ancestors: SIGTERM, then SIGKILL for those still alive after timeout_s. Returns
+    the PIDs it signalled.
+
+    How a test stops a Ray node it started with RAY_TMPDIR=<its temp dir>: every Ray process of that
+    node names its session directory on its command line, and its workers are their children. (Ray's
+    GCS server and autoscaler outlive a SIGTERM by more than 15 s, the raylet by ~10 s: hence the
+    short grace.)
+    """
+    if not os.path.isabs(needle) or needle.rstrip("/").count("/") < 2:
+        raise ValueError(f"refusing to match processes by {needle!r}: give an absolute path of at least two levels")
+    family = {}
+    for process in processes_with(needle):
+        family[process.pid] = process
+        try:
+            family.update((child.pid, child) for child in process.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    spared = _self_and_ancestors()
+    return _terminate([p for pid, p in family.items() if pid not in spared], timeout_s)
+
+
+def _self_and_ancestors() -> set[int]:
+    me = psutil.Process()
+    return {me.pid, *(p.pid for p in me.parents())}
+
+
+def _terminate(processes: list[psutil.Process], timeout_s: float) -> list[int]:
+    signalled = []
+    for process in processes:
+        try:
+            process.terminate()
+            signalled.append(process.pid)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return signalled
 
 
 @dataclass
@@ -266,7 +334,7 @@ class LoopbackCluster:
 
     def stop(self) -> None:
         for name in ("worker", "head"):
-            kill_processes_mentioning(str(self.root / name))
+            kill_processes_with(str(self.root / name))
 
     def _run(self, command: list[str], env: dict[str, str]) -> None:
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)

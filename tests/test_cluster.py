@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ddp import checkpoint
+from raytrain_ddp.tracking import CHECKPOINT_TAG
 from services import LoopbackCluster, MLflowServer
 
 pytestmark = pytest.mark.slow
@@ -84,7 +85,7 @@ def test_job_submit_trains_on_both_nodes_and_registers(cluster, mlflow_server, t
     best = shared / "submitted" / "epoch_0002"
     checkpoint.verify(best)
     version = mlflow_server.client().get_model_version("tiny", "1")
-    assert version.tags[tracking_tag()] == str(best)
+    assert version.tags[CHECKPOINT_TAG] == str(best)
     history = mlflow_server.client().get_metric_history(version.run_id, "val_mse")
     assert len(history) == 2
 
@@ -109,7 +110,11 @@ def test_storage_that_only_one_node_sees_is_refused_before_training(cluster, tmp
     assert list(cluster.node_local.iterdir()) == []  # the probe cleaned up after itself, here at least
 
 
-def tracking_tag() -> str:
-    from raytrain_ddp.tracking import CHECKPOINT_TAG
+def test_the_defaults_inside_the_jobs_temporary_directory_are_refused(cluster):
+    """`./runs` and `sqlite:///mlflow.db` resolve inside the copy of the working directory that Ray
+    deletes after the job: refused before Ray is even joined."""
+    job_id, logs = submit(cluster)
 
-    return CHECKPOINT_TAG
+    assert job_info(cluster, job_id)["status"] == "FAILED"
+    assert re.search(r"run.storage_path: \S+/runtime_resources/\S+/runs is in the job's temporary working directory", logs)
+    assert "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to a tracking server" in logs

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# System packages the tests need beyond the Python lock file: an OpenSSH server and rsync, for
+# tests/test_ray_up.py (`ray up` with provider: local against sshd on loopback). Idempotent: does
+# nothing when both are there; installs them where it can (root with apt-get); else says what to install.
+#
+#   bash tests/system-deps.sh
+set -euo pipefail
+
+if [[ -x /usr/sbin/sshd ]] && command -v rsync >/dev/null; then
+  exit 0
+fi
+if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server rsync
+  exit 0
+fi
+echo "tests/system-deps.sh: install openssh-server (for /usr/sbin/sshd) and rsync to run tests/test_ray_up.py" >&2
+exit 0
