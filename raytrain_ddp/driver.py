@@ -80,7 +80,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     config, the recipe, the cluster, the storage, the tracking server or the run's record rule it
     out, RunBusy if another driver is training the run, RunFailed if training fails, and
     RegistrationFailed if training finished but the model could not be registered."""
-    with _environment({key: os.environ.get(key, value) for key, value in tracking.BOUNDED_RETRIES.items()}):
+    with _bounded_mlflow_retries():
         return _run(config, verbose, console or Console(soft_wrap=True))
 
 
@@ -184,7 +184,7 @@ def register(run_path: str, *, tracking_uri: str | None = None, verbose: bool = 
     console = console or Console(soft_wrap=True)
     run_path = run_path.rstrip("/") if "://" in run_path else str(Path(run_path).expanduser().resolve())
     storage_path, name = run_path.rsplit("/", 1)
-    with _environment({key: os.environ.get(key, value) for key, value in tracking.BOUNDED_RETRIES.items()}):
+    with _bounded_mlflow_retries():
         lease.check(run_path)
         try:
             checkpoints = ray.train.Result.from_path(run_path).best_checkpoints
@@ -302,6 +302,11 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, r
     if result.error is not None:  # V2 raises instead; never let a failed fit pass as a result
         raise result.error
     return result
+
+
+def _bounded_mlflow_retries() -> contextlib.AbstractContextManager:
+    """MLflow's HTTP retries bounded (tracking.BOUNDED_RETRIES), unless the environment sets them."""
+    return _environment({key: os.environ.get(key, value) for key, value in tracking.BOUNDED_RETRIES.items()})
 
 
 @contextlib.contextmanager
