@@ -59,7 +59,7 @@ def resolve_tracking_uri(setting: str | None) -> str:
     return uri
 
 
-def check_server(tracking_uri: str, connect_timeout_s: float = 4.0, answer_timeout_s: float = 60.0) -> str | None:
+def check_server(tracking_uri: str, connect_timeout_s: float = 3.0, answer_timeout_s: float = 60.0) -> str | None:
     """For an HTTP(S) tracking server: one API call, with the environment's credentials and no
     retries, so a server that is down or unreachable (no connection within `connect_timeout_s`), or
     that refuses the credentials, is reported in seconds, before anything trains (MLflow's own client
