@@ -30,7 +30,7 @@ def mlflow_server(s3, tmp_path_factory):
     server.stop()
 
 
-def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path):
+def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path, record):
     storage = f"s3://{s3.bucket}/runs"
     faults = tmp_path / "faults"
     faults.mkdir()
@@ -60,3 +60,6 @@ def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path):
     assert s3.keys(f"{source}/manifest.json") and s3.keys(f"{source}/model.pt")
     assert [key for key in s3.keys("mlflow/") if key.endswith("/MLmodel")]  # MLflow's artifacts, in S3 too
     assert client.get_run(version.run_id).info.status == "FINISHED"
+    record("rank 1 SIGKILLed mid-epoch 2 (max_failures=0), storage on S3 (moto); the printed command run again",
+           attempts="2 drivers", resumed="epoch_0001 (step 4), from S3", versions=1,
+           checkpoints=len({key.split("/")[2] for key in s3.keys("runs/on-s3/epoch_")}))

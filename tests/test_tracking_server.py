@@ -52,7 +52,7 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_server_gone_after_training_then_register_later_once(server, workspace, monkeypatch):
+def test_server_gone_after_training_then_register_later_once(server, workspace, monkeypatch, record):
     """Credentials come from MLFLOW_TRACKING_USERNAME/PASSWORD; wrong ones are refused before
     training. The server is stopped the moment the last checkpoint lands: training still finishes,
     the checkpoints are safe, the driver exits 3 naming `raytrain-ddp register`; with the server
@@ -110,3 +110,5 @@ def test_server_gone_after_training_then_register_later_once(server, workspace, 
     assert secret not in (run_path / "epoch_0003" / "config.json").read_text()
     for output in (out, err, first.stdout, first.stderr, wrong.stdout, wrong.stderr):
         assert secret not in output
+    record("MLflow server stopped as the last checkpoint lands; `raytrain-ddp register` twice once it is back",
+           attempts=1, checkpoints=f"{len(kept)} verified", versions=1, note="driver exit 3, then register exit 0 twice")
