@@ -56,6 +56,22 @@ def answers(url: str) -> bool:
         return False
 
 
+def serve(command: list, log: Path, ready_url: str, env: dict[str, str] | None = None,
+          timeout_s: float = 120) -> subprocess.Popen:
+    """Start a server in its own process group, its output in `log`, and wait until `ready_url`
+    answers; a server that exits first fails at once, with the end of its log."""
+    with log.open("a") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[0]} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        return answers(ready_url)
+
+    wait_until(ready, timeout_s, str(command[0]))
+    return process
+
+
 def stop_group(process: subprocess.Popen) -> None:
     """SIGTERM the process group, SIGKILL what is left after 10 s."""
     for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
@@ -179,11 +195,7 @@ class S3Server:
         }
 
     def start(self) -> "S3Server":
-        log = open(self.root / "moto.log", "w")
-        self.process = subprocess.Popen(
-            [BIN / "moto_server", "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=log, start_new_session=True
-        )
-        wait_until(lambda: answers(self.endpoint), 60, "moto S3 server")
+        self.process = serve([BIN / "moto_server", "-H", "127.0.0.1", "-p", str(self.port)], self.root / "moto.log", self.endpoint)
         self.client().create_bucket(Bucket=self.bucket)
         return self
 
@@ -242,9 +254,7 @@ class MLflowServer:
             )
             env |= {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
             command += ["--app-name", "basic-auth"]
-        log = open(self.root / "mlflow-server.log", "a")
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
-        wait_until(lambda: answers(f"{self.url}/health"), 120, "mlflow server")
+        self.process = serve(command, self.root / "mlflow-server.log", f"{self.url}/health", env)
         return self
 
     def stop(self) -> None:
