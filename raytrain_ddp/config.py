@@ -119,6 +119,10 @@ class CheckpointSettings(_Section):
     num_to_keep: int | None = Field(2, ge=1, description="checkpoints kept on storage (best by score, plus the latest); null = all")
     score_attribute: str = Field("val_loss", min_length=1, description="reported metric that ranks checkpoints")
     score_order: Literal["max", "min"] = Field("min", description="whether a larger or smaller score is better")
+    upload: Literal["sync", "async"] = Field(
+        "sync", description="sync: training waits until each checkpoint is on storage and committed; async: rank 0 "
+        "writes it locally and training goes on while it uploads (a failure meanwhile resumes from the one before)"
+    )
 
 
 class RunSettings(_Section):

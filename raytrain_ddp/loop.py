@@ -27,7 +27,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.train import CheckpointConsistencyMode
+from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data
@@ -84,7 +84,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             rng, meters = zip(*all_gather((ckpt.rng_state(), meter.state_dict() if batches else None)))
             state = ckpt.TrainingState(epoch, step, updater.state_dict(), list(rng), batches, list(meters) if batches else [])
             name = ckpt.dir_name(epoch, step, batches)
-            blocked.update(_report(metrics, model, state, loop_config["config"], rank, name if name not in retrained else f"{name}-retrained"))
+            name = name if name not in retrained else f"{name}-retrained"
+            blocked.update(_report(metrics, model, state, loop_config["config"], rank, name, config.checkpoint.upload))
         return True
 
     # 3. Train. Report every checkpoint.every_n_steps optimizer steps and at the end of each epoch.
@@ -169,19 +170,27 @@ def _resume(model: torch.nn.Module, updater: Updater, world_size: int) -> tuple[
 
 
 def _report(metrics: dict[str, Any], model: torch.nn.Module, state: ckpt.TrainingState, config: dict, rank: int,
-            name: str) -> dict[str, float]:
-    """Report with rank 0's checkpoint, then wait until the controller has committed it: a worker that
-    died in the next second would otherwise take the checkpoint with it (the restart would resume
-    from the one before). Returns the seconds training was blocked, in all and waiting for the commit."""
+            name: str, upload: str) -> dict[str, float]:
+    """Report with rank 0's checkpoint. Returns the seconds training was blocked, in all and waiting
+    for the commit.
+
+    sync: upload, then wait until the controller has committed the checkpoint: a worker that died in
+    the next second would otherwise take it with it (the restart would resume from the one before).
+    async: rank 0 writes the checkpoint to a local directory and Ray uploads it (then deletes it) in
+    a background thread; training goes on at once, and a failure before the commit resumes from the
+    checkpoint before (the result is the same, the work since is lost)."""
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as directory:
-        checkpoint = None
-        if rank == 0:
-            ckpt.save(directory, model=model, state=state, config=config, metrics=metrics)
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+    mode = CheckpointUploadMode.ASYNC if upload == "async" else CheckpointUploadMode.SYNC
+    checkpoint = None
+    if rank == 0:  # a local directory, which Ray deletes once it has uploaded it
+        directory = tempfile.mkdtemp(prefix=f"raytrain_ddp-{name}-")
+        ckpt.save(directory, model=model, state=state, config=config, metrics=metrics)
+        checkpoint = ray.train.Checkpoint.from_directory(directory)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_mode=mode,
+                     delete_local_checkpoint_after_upload=True)
     reported = time.perf_counter()
-    ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+    if mode == CheckpointUploadMode.SYNC:
+        ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
     done = time.perf_counter()
     return {"checkpoint_s": done - started, "commit_wait_s": done - reported}
 
