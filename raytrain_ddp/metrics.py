@@ -20,7 +20,7 @@ import torch.distributed as dist
 TRAIN_METRICS = (
     "epoch", "step", "lr", "train_loss", "grad_norm",
     "train_samples", "train_samples_per_worker", "train_batches",
-    "samples_per_s", "data_wait_s", "compute_s", "data_wait_fraction", "peak_memory_mb",
+    "samples_per_s", "data_wait_s", "compute_s", "data_wait_fraction", "data_wait_fraction_per_worker", "peak_memory_mb",
     "val_samples", "val_samples_per_worker", "epoch_time_s",
     "checkpoint_s", "commit_wait_s",  # training blocked by the previous checkpoint: in all, and waiting for its commit
 )
@@ -51,6 +51,10 @@ class EpochMeter:
     def __post_init__(self) -> None:
         self._started = time.perf_counter()
         self._paused_s = 0.0
+        # Loss and gradient-norm sums not yet read back from the device: reading one per step would
+        # make the host wait for the GPU every step. `settle` reads them once, at a report.
+        self._pending_loss: torch.Tensor | float = 0.0
+        self._pending_norm: torch.Tensor | float = 0.0
 
     def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
         iterator = iter(batches)
@@ -76,24 +80,32 @@ class EpochMeter:
             self._paused_s += time.perf_counter() - started
 
     def add_batch(self, loss: torch.Tensor, samples: int, tokens: int | None) -> None:
-        self.loss_sum += float(loss.detach()) * samples
+        self._pending_loss = self._pending_loss + loss.detach().float() * samples
         self.samples += samples
         self.tokens += tokens or 0
         self.batches += 1
 
-    def add_step(self, grad_norm: float) -> None:
-        self.grad_norm_sum += grad_norm
+    def add_step(self, grad_norm: torch.Tensor | float) -> None:
+        self._pending_norm = self._pending_norm + grad_norm
         self.steps += 1
+
+    def settle(self) -> None:
+        """Fold the sums still on the device into loss_sum and grad_norm_sum (one device sync)."""
+        self.loss_sum += float(self._pending_loss)
+        self.grad_norm_sum += float(self._pending_norm)
+        self._pending_loss, self._pending_norm = 0.0, 0.0
 
     def epoch_time_s(self) -> float:
         return self.earlier_s + time.perf_counter() - self._started
 
     def state_dict(self) -> dict[str, Any]:
+        self.settle()
         return asdict(self) | {"earlier_s": self.epoch_time_s()}
 
 
 def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dict[str, Any]:
     """The epoch's global training metrics, the same on every rank."""
+    meter.settle()
     gathered = all_gather((asdict(meter), _peak_memory_mb(device)))
     parts = [EpochMeter(**fields) for fields, _ in gathered]
     samples = sum(p.samples for p in parts)
@@ -108,6 +120,7 @@ def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dic
         "data_wait_s": sum(p.data_wait_s for p in parts) / len(parts),
         "compute_s": sum(p.compute_s for p in parts) / len(parts),
         "data_wait_fraction": sum(p.data_wait_s for p in parts) / max(sum(p.data_wait_s + p.compute_s for p in parts), 1e-9),
+        "data_wait_fraction_per_worker": [p.data_wait_s / max(p.data_wait_s + p.compute_s, 1e-9) for p in parts],
         "peak_memory_mb": max(peak for _, peak in gathered),
     }
     if counts_tokens:

@@ -53,10 +53,10 @@ class Updater:
         k = self.train.grad_accum_steps
         return (i + 1) % k == 0 or i + 1 >= self.micro_batches
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
         """Unscale, clip by global norm, step, advance the schedule; returns the gradient norm before
-        clipping (inf or nan when fp16 overflowed: the scaler then skips the step, and so does the
-        schedule)."""
+        clipping, as a tensor on the device (reading it would wait for the GPU), inf or nan when fp16
+        overflowed: the scaler then skips the step, and so does the schedule."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.train.grad_clip_norm or math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
@@ -66,7 +66,7 @@ class Updater:
         self.optimizer.zero_grad(set_to_none=True)
         if scale is None or self.scaler.get_scale() >= scale:  # a lowered scale means a skipped step
             self.scheduler.step()
-        return float(norm)
+        return norm.detach()
 
     @property
     def lr(self) -> float:
