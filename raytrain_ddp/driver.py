@@ -95,6 +95,8 @@ def _run(config: Config, verbose: bool, console: Console) -> RunSummary:
     if problems := preflight.check_lasting_paths(config) + ([server] if server else []):
         raise ConfigError(config.job, problems)
 
+    store = threading.Thread(target=tracking.open_store, args=(config.mlflow.tracking_uri,), daemon=True)
+    store.start()  # meanwhile: opening the MLflow store takes seconds
     with console.status("Starting Ray…"):
         _connect(verbose)
     with console.status("Building datasets…"):
@@ -125,6 +127,7 @@ def _run(config: Config, verbose: bool, console: Console) -> RunSummary:
         latest=resume.checkpoint,
     )
     with lease.Lease(run_path):
+        store.join()
         run_id = tracking.start_run(config)
         try:
             result = _fit(config, recipe, datasets, batches, run_id, progress)
@@ -288,7 +291,7 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, r
                         checkpoint_score_order=config.checkpoint.score_order,
                     ),
                     failure_config=FailureConfig(max_failures=config.run.max_failures),
-                    callbacks=[tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id), progress.relay],
+                    callbacks=[tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id, config.train.epochs), progress.relay],
                 ),
                 datasets=datasets if ray_data else None,
                 dataset_config=data.dataset_config(),

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -25,6 +26,7 @@ from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.metrics import STOPPED
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "raytrain_ddp.run_name"
@@ -106,6 +108,16 @@ def ui_command(tracking_uri: str) -> str:
     return f"mlflow ui --backend-store-uri {tracking_uri}"
 
 
+def open_store(tracking_uri: str) -> None:
+    """Open the tracking store once in this process (MLflow keeps it): for a database, a second or
+    two of imports, connecting and checking the schema, which `driver.run` spends on a thread while
+    Ray starts. Errors are left to the calls that follow, which report them."""
+    try:
+        MlflowClient(tracking_uri).search_experiments(max_results=1)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def start_run(config: Config) -> str:
     """The MLflow run of this training run: created on the first attempt, continued when the run
     resumes. Params are the flattened config; a value changed on resume (train.epochs, say: see
@@ -142,24 +154,45 @@ def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED"
 class MLflowMetrics(ray.train.UserCallback):
     """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
 
-    An exception here would end the run as a controller error, which Ray never retries, and the
-    controller waits for this call, so a store that is unavailable costs a warning and seconds (see
-    BOUNDED_RETRIES), not the training; every checkpoint's metrics.json keeps the numbers."""
+    Logging happens on a thread of its own, in order. The controller calls this between committing a
+    checkpoint and telling the workers, who wait for the commit (checkpoint.upload=sync), so a call
+    to MLflow here (a second or more for the first one, which imports and connects) would block
+    training. The report that ends the run (the last epoch, or a stop) waits until everything is
+    logged, so the run's metrics are all in MLflow when fit() returns.
 
-    def __init__(self, tracking_uri: str, run_id: str):
-        self.tracking_uri, self.run_id = tracking_uri, run_id
+    An exception here would end the run as a controller error, which Ray never retries: a store
+    that is unavailable costs a warning and seconds (see BOUNDED_RETRIES), never the training;
+    every checkpoint's metrics.json keeps the numbers."""
+
+    def __init__(self, tracking_uri: str, run_id: str, epochs: int):
+        self.tracking_uri, self.run_id, self.epochs = tracking_uri, run_id, epochs
+        self._logger: ThreadPoolExecutor | None = None  # started on the controller (not picklable)
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         reported = metrics[0]  # every rank reports the same global metrics
         now = int(time.time() * 1000)
         step = int(reported["step"])  # the optimizer step: the x-axis of every metric (epoch is a metric)
         batch = [Metric(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
-        for key, value in BOUNDED_RETRIES.items():  # the controller's own process
-            os.environ.setdefault(key, value)
+        if self._logger is None:
+            for key, value in BOUNDED_RETRIES.items():  # the controller's own process
+                os.environ.setdefault(key, value)
+            self._logger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+        logged = self._logger.submit(self._log, step, batch)
+        if reported["epoch"] >= self.epochs or STOPPED in reported:
+            logged.result()
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        if self._logger is not None:  # the run may end here: what was reported is logged first
+            self._logger.submit(lambda: None).result()
+
+    def _log(self, step: int, batch: list[Metric]) -> None:
         try:
             MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
         except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
             logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_logger": None}
 
 
 def register_model(
