@@ -1,0 +1,480 @@
+"""`make bench`: what Ray and raytrain_ddp cost over a plain torchrun DDP script, side by side.
+
+    python bench/harness.py                       # 1 warm-up round + 5 measured rounds, every side
+    python bench/harness.py --rounds 1 --no-warmup --sides A,B key=value ...   # a quick look
+
+Sides, run in alternation in every round (the same workload, bench/workload.py, and settings,
+bench/workload.yaml plus the overrides given here):
+
+    A        torchrun --nproc-per-node N bench/torchrun_ddp.py: plain PyTorch DDP
+    B-cold   raytrain-ddp train (Ray Data ingest, a checkpoint every epoch, MLflow), no Ray running
+    B        the same, with Ray already up (as under `ray job submit`)
+    B-async  B with checkpoint.upload=async
+    B'       B with dataset.source=torch: a torch DataLoader through prepare_data_loader
+
+Every side's model carries the same probe (workload.StepTrace: each forward's start time, per rank),
+read here into: steady step time (the gaps between consecutive training forwards, without the first
+steps of each epoch), time to first step (launch -> the second forward, i.e. the first optimizer step
+done), teardown (the last step's end -> process exit). Data wait per worker and checkpoint blocking
+come from each side's own clocks (A's rank<R>.json; B's metrics, saved in each checkpoint). Final
+weights of A and B are compared (they train on the same batches). Results: a JSON file and a
+Markdown table under bench/results/, named for the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+BIN = Path(sys.executable).parent  # the venv's executables: torchrun, raytrain-ddp, ray
+sys.path.insert(0, str(BENCH))
+import torchrun_ddp  # noqa: E402  (the same config reader as side A)
+import workload  # noqa: E402
+
+SIDES = ("A", "B-cold", "B", "B-async", "B'")
+WARM = ("B", "B-async", "B'")  # run while the harness's Ray cluster is up
+SIDE_OVERRIDES = {"B-async": ["checkpoint.upload=async"], "B'": ["dataset.source=torch"]}
+DROP_FIRST_STEPS = 5  # of each epoch: iterator start-up, not the steady state
+GOALS = {"ratio": 1.05, "ttfs_gap_s": 5.0, "data_wait": 0.05, "checkpoint_share": 0.05}
+
+
+@dataclass
+class Run:
+    side: str
+    round: int  # 0 = warm-up
+    exit_code: int
+    wall_s: float  # launch -> process exit
+    ttfs_s: float | None = None
+    step_ms: float | None = None  # median steady step, all ranks
+    step_p90_ms: float | None = None
+    data_wait: list[float] = field(default_factory=list)  # per worker, over all epochs
+    checkpoint_s: list[float] = field(default_factory=list)  # training blocked, per checkpoint
+    epoch_s: list[float] = field(default_factory=list)
+    teardown_s: float | None = None
+    threads: list[int] = field(default_factory=list)  # torch intra-op threads per rank
+    weights_vs_a: float | None = None  # max |w_B - w_A| over all parameters (B-side runs of a round with A)
+    log: str = ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every side (e.g. train.epochs=2)")
+    parser.add_argument("--config", metavar="FILE", help="a YAML layered over bench/workload.yaml (a GPU workload)")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5)")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up round")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--gpu", action="store_true", help="one GPU per worker: NCCL, bf16")
+    parser.add_argument("--workers", type=int, help="DDP workers (default: 2 on CPU, every GPU with --gpu)")
+    parser.add_argument("--out", default=str(BENCH / "results"), help="where the JSON and Markdown go")
+    parser.add_argument("--name", help="results file name (default: the machine's)")
+    args = parser.parse_args(argv)
+    sides = [s for s in SIDES if s in args.sides.split(",")]
+    if unknown := set(args.sides.split(",")) - set(SIDES):
+        parser.error(f"unknown sides {sorted(unknown)}; choose from {', '.join(SIDES)}")
+
+    workers = args.workers or (torch.cuda.device_count() if args.gpu else 2)
+    overrides = [f"scaling.num_workers={workers}", *_device_overrides(args.gpu, workers), *args.overrides]
+    config = _config(args.config, overrides)
+    work = Path(tempfile.mkdtemp(prefix="rtb-"))  # short: Ray's socket paths live under it
+    bench = Bench(work, config, overrides, args.config, workers)
+    print(f"benchmark: {bench.describe()}; work directory {work}", flush=True)
+
+    runs: list[Run] = []
+    for round_ in range(0 if args.no_warmup else -1, args.rounds):
+        number = round_ + 1  # 0 = warm-up
+        cold = [s for s in sides if s not in WARM]
+        for side in cold if round_ % 2 == 0 else cold[::-1]:  # alternate which goes first
+            runs.append(bench.run(side, number))
+        if warm := [s for s in sides if s in WARM]:
+            with bench.ray_cluster():
+                for side in warm[round_ % len(warm):] + warm[:round_ % len(warm)]:
+                    runs.append(bench.run(side, number))
+        bench.compare_weights([r for r in runs if r.round == number])
+        print(f"round {number or 'warm-up'} done", flush=True)
+
+    results = summarize(runs, bench, sides)
+    name = args.name or _machine_name(args.gpu)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (out / f"{name}.md").write_text(table)
+    print(table)
+    print(f"written: {out / name}.json, {out / name}.md")
+    failed = [r for r in runs if r.exit_code != 0]
+    for r in failed:
+        print(f"FAILED: {r.side} round {r.round} exit {r.exit_code}; log {r.log}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _device_overrides(gpu: bool, workers: int) -> list[str]:
+    if not gpu:
+        return []
+    cpus = max(1, (os.cpu_count() or 2) // (2 * workers))  # half the cores for the workers, half for Ray Data
+    return ["scaling.use_gpu=true", f"scaling.resources_per_worker={{CPU: {cpus}, GPU: 1}}", "train.precision=bf16"]
+
+
+def _config(layer: str | None, overrides: list[str]) -> dict:
+    return torchrun_ddp.load(str(BENCH / "workload.yaml"), overrides, layer)
+
+
+class Bench:
+    def __init__(self, work: Path, config: dict, overrides: list[str], layer: str | None, workers: int):
+        self.work, self.config, self.overrides, self.layer, self.workers = work, config, overrides, layer, workers
+        self.address: str | None = None
+        d, t = config["dataset"], config["train"]
+        rows = len(workload.rank_rows(d["rows"], d["block_rows"], 0, workers))
+        self.batches_per_epoch = math.ceil(rows / t["batch_size"])
+
+    @property
+    def unit(self) -> str:
+        return "tokens/s" if self.config["dataset"].get("sequence") else "images/s"
+
+    def throughput(self, step_ms: float) -> float:
+        """Rows (or tokens) per second, all workers together, at a steady step of `step_ms`."""
+        rows = self.config["train"]["batch_size"] * self.workers
+        return rows * (self.config["dataset"].get("sequence") or 1) / (step_ms / 1e3)
+
+    def mfu(self, step_ms: float) -> float | None:
+        """Model FLOPs utilization of a decoder against the GPUs' dense bf16 peak (datasheet)."""
+        peak = _bf16_peak() if self.config["scaling"].get("use_gpu") else None
+        if not self.config["dataset"].get("sequence") or peak is None:
+            return None
+        with torch.device("meta"):
+            decoder = workload.build_model(**{k: v for k, v in self.config["model"].items() if k != "trace"})
+        return self.throughput(step_ms) * decoder.flops_per_token(self.config["dataset"]["sequence"]) / (peak * self.workers)
+
+    def describe(self) -> str:
+        t, d = self.config["train"], self.config["dataset"]
+        return (f"{self.workers} workers x batch {t['batch_size']}, {d['rows']} rows, {self.batches_per_epoch} steps/epoch, "
+                f"{t['epochs']} epochs, model {self.config['model']}, precision {t.get('precision', 'fp32')}")
+
+    def run(self, side: str, round_: int) -> Run:
+        directory = self.work / f"{round_}-{side.replace(chr(39), 'p')}"
+        directory.mkdir()
+        common = [f"model.trace={directory / 'trace'}", *self.overrides, *SIDE_OVERRIDES.get(side, [])]
+        layer = ["--config", self.layer] if self.layer else []
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
+        if side == "A":
+            command = [str(BIN / "torchrun"), f"--nproc-per-node={self.workers}", "--master-port", str(_free_port()),
+                       str(BENCH / "torchrun_ddp.py"), str(BENCH / "workload.yaml"), *layer, "--out", str(directory), *common]
+        else:
+            command = [str(BIN / "raytrain-ddp"), "train", str(BENCH / "workload.py"), *layer, *common,
+                       f"run.storage_path={directory / 'runs'}", "run.name=bench",
+                       f"mlflow.tracking_uri=sqlite:///{self.work / 'mlflow.db'}"]
+            if side in WARM:
+                env |= self.cluster_env
+        log = directory / "log.txt"
+        with open(log, "w") as out:
+            launched = time.time()
+            exit_code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+            exited = time.time()
+        run = Run(side, round_, exit_code, exited - launched, log=str(log))
+        if exit_code == 0:
+            self._read(run, directory, launched, exited)
+        print(f"  {side:8} {_fmt(run.step_ms, '.2f')} ms/step, first step {_fmt(run.ttfs_s, '.1f')} s, "
+              f"wall {run.wall_s:.1f} s{'' if exit_code == 0 else f', FAILED (exit {exit_code}, {log})'}", flush=True)
+        return run
+
+    def _read(self, run: Run, directory: Path, launched: float, exited: float) -> None:
+        traces = _read_traces(directory / "trace")
+        n = self.batches_per_epoch
+        gaps = [g for train in traces.values() for e in range(len(train) // n)
+                for g in _diffs(train[e * n:(e + 1) * n])[DROP_FIRST_STEPS:]]
+        run.step_ms = statistics.median(gaps) * 1e3
+        run.step_p90_ms = statistics.quantiles(gaps, n=10)[-1] * 1e3
+        first = traces[0]
+        run.ttfs_s = first[1] - launched
+        run.teardown_s = exited - (first[-1] + run.step_ms / 1e3)
+        run.threads = [t for _, t in sorted(_read_threads(directory / "trace").items())]
+        if run.side == "A":
+            ranks = [json.loads(p.read_text()) for p in sorted(directory.glob("rank*.json"))]
+            run.data_wait = [sum(e["data_wait_s"] for e in r["epochs"]) / sum(e["data_wait_s"] + e["compute_s"] for e in r["epochs"]) for r in ranks]
+            run.checkpoint_s = [e["checkpoint_s"] for e in ranks[0]["epochs"]]
+            run.epoch_s = [e["epoch_time_s"] for e in ranks[0]["epochs"]]
+            return
+        reports = [json.loads(p.read_text()) for p in sorted((directory / "runs" / "bench").glob("epoch_*/metrics.json"))]
+        busy = [r["data_wait_s"] + r["compute_s"] for r in reports]  # per rank, averaged: weights each epoch's fraction
+        run.data_wait = [sum(r["data_wait_fraction_per_worker"][w] * b for r, b in zip(reports, busy)) / sum(busy)
+                         for w in range(self.workers)]
+        run.checkpoint_s = [r["checkpoint_s"] for r in reports[1:]]  # each report carries the previous checkpoint's
+        run.epoch_s = [r["epoch_time_s"] for r in reports]
+
+    def compare_weights(self, runs: list[Run]) -> None:
+        a = next((r for r in runs if r.side == "A" and r.exit_code == 0), None)
+        if a is None:
+            return
+        final = torch.load(Path(a.log).parent / "final.pt", weights_only=True)
+        for run in runs:
+            if run.side != "A" and run.exit_code == 0:
+                checkpoints = sorted((Path(run.log).parent / "runs" / "bench").glob("epoch_*/model.pt"))
+                theirs = torch.load(checkpoints[-1], weights_only=True)
+                run.weights_vs_a = max(float((final[k].float() - theirs[k].float()).abs().max()) for k in final)
+
+    @property
+    def cluster_env(self) -> dict[str, str]:
+        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.work / "token")}
+
+    def ray_cluster(self) -> "RayCluster":
+        return RayCluster(self)
+
+
+class RayCluster:
+    """`ray start --head --block` with this benchmark's own temp dir and ports, stopped by its process
+    tree (never `ray stop`, which would stop every Ray on the machine)."""
+
+    def __init__(self, bench: Bench):
+        self.bench = bench
+
+    def __enter__(self) -> "RayCluster":
+        b = self.bench
+        (b.work / "token").write_text(secrets.token_hex(32))
+        port = _free_port()
+        b.address = f"127.0.0.1:{port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
+            k: v for k, v in b.cluster_env.items() if k != "RAY_ADDRESS"}
+        command = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                   "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+                   f"--dashboard-agent-listen-port={_free_port()}", f"--temp-dir={b.work / 'ray'}", "--disable-usage-stats"]
+        if b.config["scaling"].get("use_gpu"):
+            command.append(f"--num-gpus={b.workers}")
+        self.log = open(b.work / "ray-head.txt", "a")
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 120
+        while subprocess.run([str(BIN / "ray"), "status", f"--address={b.address}"], env=env | b.cluster_env,
+                             capture_output=True).returncode != 0:
+            if self.process.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the benchmark's Ray head did not start; see {b.work / 'ray-head.txt'}")
+            time.sleep(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        processes = [self.process_info(), *self.process_info().children(recursive=True)]
+        for p in processes:
+            _signal(p, signal.SIGTERM)
+        _, alive = psutil.wait_procs(processes, timeout=10)
+        for p in alive:
+            _signal(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=10)
+        self.log.close()
+        self.bench.address = None
+
+    def process_info(self) -> psutil.Process:
+        return psutil.Process(self.process.pid)
+
+
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}  # dense, FLOP/s
+
+
+def _bf16_peak() -> float | None:
+    name = torch.cuda.get_device_name(0)
+    return next((peak for key, peak in BF16_PEAK.items() if key in name), None)
+
+
+def _signal(process: psutil.Process, sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _read_traces(directory: Path) -> dict[int, list[float]]:
+    """rank -> the start times of its training forwards, in order."""
+    traces: dict[int, list[float]] = {}
+    for path in directory.glob("rank*.txt"):
+        rank = int(path.name[4:].split("-")[0])
+        traces.setdefault(rank, []).extend(float(line.split()[1]) for line in path.read_text().splitlines() if line.startswith("t "))
+    return {rank: sorted(times) for rank, times in traces.items()}
+
+
+def _read_threads(directory: Path) -> dict[int, int]:
+    return {int(p.name[4:].split("-")[0]): int(p.read_text().split("\n", 1)[0].split()[1]) for p in directory.glob("rank*.txt")}
+
+
+def _diffs(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+# ---- results -------------------------------------------------------------------------------------
+
+
+def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
+    """Medians over the measured rounds, with their spread (min, max); ratios and gaps against A are
+    taken within each round (A and the other side ran back to back), then summarized."""
+    measured = [r for r in runs if r.round > 0 and r.exit_code == 0]
+    by_side = {side: [r for r in measured if r.side == side] for side in sides}
+    figures = {}
+    for side, side_runs in by_side.items():
+        if not side_runs:
+            continue
+        shares = [c / e for r in side_runs for c, e in zip(r.checkpoint_s, r.epoch_s)]
+        figures[side] = {
+            "runs": len(side_runs),
+            "step_ms": _spread([r.step_ms for r in side_runs]),
+            "step_p90_ms": _spread([r.step_p90_ms for r in side_runs]),
+            "ttfs_s": _spread([r.ttfs_s for r in side_runs]),
+            "data_wait_per_worker": [statistics.median(ws) for ws in zip(*(r.data_wait for r in side_runs))],
+            "checkpoint_s": _spread([c for r in side_runs for c in r.checkpoint_s]),
+            "checkpoint_share": _spread(shares),
+            "epoch_s": _spread([e for r in side_runs for e in r.epoch_s]),
+            "teardown_s": _spread([r.teardown_s for r in side_runs]),
+            "wall_s": _spread([r.wall_s for r in side_runs]),
+            "throughput": _spread([bench.throughput(r.step_ms) for r in side_runs]),
+            "mfu": _spread([bench.mfu(r.step_ms) for r in side_runs]),
+            "threads": side_runs[0].threads,
+            "weights_vs_a": max((r.weights_vs_a for r in side_runs if r.weights_vs_a is not None), default=None),
+        }
+    a = {r.round: r for r in by_side.get("A", [])}
+    paired = {side: [(r, a[r.round]) for r in rs if r.round in a] for side, rs in by_side.items() if side != "A"}
+    for side, pairs in paired.items():
+        if side in figures and pairs:
+            figures[side]["ratio_vs_a"] = _spread([r.step_ms / ra.step_ms for r, ra in pairs])
+            figures[side]["ttfs_gap_vs_a_s"] = _spread([r.ttfs_s - ra.ttfs_s for r, ra in pairs])
+    return {
+        "machine": _machine(bench.config["scaling"].get("use_gpu", False)),
+        "workload": bench.describe(),
+        "unit": bench.unit,
+        "config": bench.config,
+        "overrides": bench.overrides,
+        "rounds": max((r.round for r in runs), default=0),
+        "figures": figures,
+        "goals": _goals(figures),
+        "runs": [asdict(r) for r in runs],
+    }
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _goals(figures: dict) -> list[dict]:
+    """The issue's goals for raytrain_ddp with Ray Data (side B), each met or missed."""
+    goals = []
+
+    def goal(name: str, value: float | None, limit: float, unit: str) -> None:
+        if value is not None:
+            goals.append({"goal": name, "value": value, "limit": limit, "unit": unit, "met": value <= limit})
+
+    b = figures.get("B", {})
+    goal("steady step time B/A", (b.get("ratio_vs_a") or {}).get("median"), GOALS["ratio"], "x")
+    goal("warm time to first step, B - A", (b.get("ttfs_gap_vs_a_s") or {}).get("median"), GOALS["ttfs_gap_s"], "s")
+    goal("data wait, worst worker of B", max(b["data_wait_per_worker"]) if b.get("data_wait_per_worker") else None,
+         GOALS["data_wait"], "%")
+    for side in ("B", "B-async"):
+        share = (figures.get(side, {}).get("checkpoint_share") or {}).get("median")
+        goal(f"checkpoint blocking, {side} ({'sync' if side == 'B' else 'async'})", share, GOALS["checkpoint_share"], "%")
+    return goals
+
+
+def markdown(results: dict) -> str:
+    figures = results["figures"]
+    sides = list(figures)
+    m = results["machine"]
+    lines = [
+        f"### {m['name']}: {results['workload']}",
+        "",
+        f"{m['device']}; {m['cpus']} CPUs, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, ray {m['ray']}, "
+        f"mlflow {m['mlflow']}; {m['date']}. Median [min–max] over {results['rounds']} alternating rounds "
+        f"(a warm-up round before them is not counted).",
+        "",
+        "| figure | " + " | ".join(_SIDE_NAMES.get(s, s) for s in sides) + " |",
+        "|---|" + "---|" * len(sides),
+    ]
+    rows = [
+        ("steady step, ms", lambda f: _cell(f.get("step_ms"), ".2f")),
+        (f"throughput, {results['unit']}", lambda f: _cell(f.get("throughput"), ",.0f")),
+        ("MFU (bf16 dense peak)", lambda f: _cell(f.get("mfu"), ".1%")),
+        ("step time vs A (same round)", lambda f: _cell(f.get("ratio_vs_a"), ".3f", "1")),
+        ("time to first step, s", lambda f: _cell(f.get("ttfs_s"), ".1f")),
+        ("… minus A's (same round), s", lambda f: _cell(f.get("ttfs_gap_vs_a_s"), "+.1f", "0")),
+        ("data wait, per worker", lambda f: ", ".join(f"{w:.1%}" for w in f.get("data_wait_per_worker", [])) or "–"),
+        ("checkpoint: training blocked, s", lambda f: _cell(f.get("checkpoint_s"), ".3f")),
+        ("checkpoint: share of epoch", lambda f: _cell(f.get("checkpoint_share"), ".1%")),
+        ("epoch (train + eval), s", lambda f: _cell(f.get("epoch_s"), ".2f")),
+        ("teardown: last step → exit, s", lambda f: _cell(f.get("teardown_s"), ".1f")),
+        ("launch → exit, s", lambda f: _cell(f.get("wall_s"), ".1f")),
+        ("final weights: max abs diff vs A", lambda f: "–" if f.get("weights_vs_a") is None else f"{f['weights_vs_a']:.1e}"),
+        ("torch threads per rank", lambda f: ", ".join(map(str, f.get("threads", [])))),
+    ]
+    for name, cell in rows:
+        cells = [cell(figures[s]) for s in sides]
+        if any(c != "–" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| goal | measured | limit | |", "|---|---|---|---|"]
+    for g in results["goals"]:
+        value = f"{g['value']:.1%}" if g["unit"] == "%" else f"{g['value']:.3g} {g['unit']}".replace(" x", "×")
+        limit = f"{g['limit']:.0%}" if g["unit"] == "%" else f"{g['limit']:g} {g['unit']}".replace(" x", "×")
+        lines.append(f"| {g['goal']} | {value} | ≤ {limit} | {'met' if g['met'] else '**missed**'} |")
+    return "\n".join(lines) + "\n"
+
+
+_SIDE_NAMES = {"A": "A: torchrun", "B-cold": "B cold", "B": "B: raytrain_ddp", "B-async": "B, async ckpt",
+               "B'": "B′: torch DataLoader"}
+
+
+def _cell(spread: dict | None, spec: str, same: str | None = None) -> str:
+    if spread is None:
+        return same or "–"
+    if spread["n"] == 1 or spread["min"] == spread["max"]:
+        return format(spread["median"], spec)
+    return f"{format(spread['median'], spec)} [{format(spread['min'], spec)}–{format(spread['max'], spec)}]"
+
+
+def _machine(gpu: bool) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else f"CPU only ({cpu})"
+    return {
+        "name": _machine_name(gpu), "device": device, "cpu": cpu, "cpus": os.cpu_count(),
+        "memory_gb": psutil.virtual_memory().total / 2**30, "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__, "ray": installed("ray"), "mlflow": installed("mlflow-skinny") if installed("mlflow") == "-" else installed("mlflow"),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def _machine_name(gpu: bool) -> str:
+    if gpu:
+        return "gpu-" + "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(0).lower()).strip("-")
+    return f"cpu-{os.cpu_count()}core"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
