@@ -56,7 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     register.add_argument("run", help="the run's directory: <run.storage_path>/<run.name> (a path or URI, e.g. s3://bucket/runs/name)")
     register.add_argument("--tracking-uri", help="the MLflow tracking server (default: the one the run used)")
     register.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
-    args = parser.parse_args(argv)
+    # Overrides may also follow an option (`train JOB --config F k=v`), where argparse stops taking them.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "jobs":
         print("\n".join(recipes.available_jobs()) or "no jobs found in: " + ", ".join(map(str, recipes.job_search_path())))

@@ -30,6 +30,18 @@ def test_bad_config_fails_before_anything_is_created(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no run directory, no MLflow store
 
 
+def test_overrides_may_follow_an_option(tmp_path):
+    """`train JOB --config FILE key=value`: argparse alone would reject the override after the option."""
+    layer = tmp_path / "layer.yaml"
+    layer.write_text("train:\n  lr: 0.005\n")
+    result = raytrain_ddp("train", "digits", "--config", str(layer), "train.epochs=7", "--print-config", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert "  epochs: 7\n" in result.stdout and "  lr: 0.005\n" in result.stdout
+    refused = raytrain_ddp("train", "digits", "train.epochs=7", "--nonsense", cwd=tmp_path)
+    assert refused.returncode == 2 and "unrecognized arguments: --nonsense" in refused.stderr
+
+
 def test_jobs_lists_the_flagship(tmp_path):
     result = raytrain_ddp("jobs", cwd=tmp_path)
     assert result.returncode == 0 and "digits" in result.stdout.split()
