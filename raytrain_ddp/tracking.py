@@ -111,7 +111,11 @@ def ui_command(tracking_uri: str) -> str:
 def open_store(tracking_uri: str) -> None:
     """Open the tracking store once in this process (MLflow keeps it): for a database, a second or
     two of imports, connecting and checking the schema, which `driver.run` spends on a thread while
-    Ray starts. Errors are left to the calls that follow, which report them."""
+    Ray starts. Only a server or a database that exists: creating one here would leave it behind
+    when a later check refuses the run. Errors are left to the calls that follow, which report them."""
+    scheme, _, rest = tracking_uri.partition(":")
+    if not (scheme in ("http", "https") or scheme == "sqlite" and Path(rest.removeprefix("///")).is_file()):
+        return
     try:
         MlflowClient(tracking_uri).search_experiments(max_results=1)
     except Exception:  # noqa: BLE001
