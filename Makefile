@@ -4,7 +4,7 @@
 UV_VERSION := 0.13.9
 UV := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 
-.PHONY: install demo test test-quick
+.PHONY: install demo test test-quick bench
 
 # uv itself, where the machine has none: a private copy in .tools, not on the user's PATH.
 .tools/bin/uv:
@@ -26,3 +26,8 @@ test: install
 
 test-quick: install
 	.venv/bin/pytest -m "not slow"
+
+# torchrun DDP against raytrain_ddp, alternating (bench/harness.py; ~30 min on 2 cores):
+# the table is printed and written to bench/results/<machine>.{json,md}.
+bench: install
+	.venv/bin/python bench/harness.py $(ARGS)

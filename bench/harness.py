@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -44,7 +45,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-BIN = Path(sys.executable).parent  # the venv's executables: torchrun, raytrain-ddp, ray
+BIN = Path(sys.executable).parent  # the venv's executables: torchrun, raytrain-ddp, ray (else found on PATH)
 sys.path.insert(0, str(BENCH))
 import torchrun_ddp  # noqa: E402  (the same config reader as side A)
 import workload  # noqa: E402
@@ -85,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, help="DDP workers (default: 2 on CPU, every GPU with --gpu)")
     parser.add_argument("--out", default=str(BENCH / "results"), help="where the JSON and Markdown go")
     parser.add_argument("--name", help="results file name (default: the machine's)")
+    parser.add_argument("--table", metavar="JSON", help="only print (and rewrite) the Markdown table of a results file")
     args = parser.parse_args(argv)
+    if args.table:
+        results = json.loads(Path(args.table).read_text())
+        print(write(results, Path(args.table).parent, Path(args.table).stem))
+        return 0
     sides = [s for s in SIDES if s in args.sides.split(",")]
     if unknown := set(args.sides.split(",")) - set(SIDES):
         parser.error(f"unknown sides {sorted(unknown)}; choose from {', '.join(SIDES)}")
@@ -108,21 +114,23 @@ def main(argv: list[str] | None = None) -> int:
                 for side in warm[round_ % len(warm):] + warm[:round_ % len(warm)]:
                     runs.append(bench.run(side, number))
         bench.compare_weights([r for r in runs if r.round == number])
+        table = write(summarize(runs, bench, sides), Path(args.out), args.name or _machine_name(args.gpu))
         print(f"round {number or 'warm-up'} done", flush=True)
-
-    results = summarize(runs, bench, sides)
-    name = args.name or _machine_name(args.gpu)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    (out / f"{name}.md").write_text(table)
     print(table)
-    print(f"written: {out / name}.json, {out / name}.md")
+    print(f"written under {args.out}")
     failed = [r for r in runs if r.exit_code != 0]
     for r in failed:
         print(f"FAILED: {r.side} round {r.round} exit {r.exit_code}; log {r.log}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def write(results: dict, out: Path, name: str) -> str:
+    """The JSON and the Markdown table (after every round, so an interrupted benchmark keeps its rounds)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (out / f"{name}.md").write_text(table)
+    return table
 
 
 def _device_overrides(gpu: bool, workers: int) -> list[str]:
@@ -164,8 +172,7 @@ class Bench:
 
     def describe(self) -> str:
         t, d = self.config["train"], self.config["dataset"]
-        return (f"{self.workers} workers x batch {t['batch_size']}, {d['rows']} rows, {self.batches_per_epoch} steps/epoch, "
-                f"{t['epochs']} epochs, model {self.config['model']}, precision {t.get('precision', 'fp32')}")
+        return describe(self.config, self.workers, self.batches_per_epoch)
 
     def run(self, side: str, round_: int) -> Run:
         directory = self.work / f"{round_}-{side.replace(chr(39), 'p')}"
@@ -174,10 +181,10 @@ class Bench:
         layer = ["--config", self.layer] if self.layer else []
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
         if side == "A":
-            command = [str(BIN / "torchrun"), f"--nproc-per-node={self.workers}", "--master-port", str(_free_port()),
+            command = [_exe("torchrun"), f"--nproc-per-node={self.workers}", "--master-port", str(_free_port()),
                        str(BENCH / "torchrun_ddp.py"), str(BENCH / "workload.yaml"), *layer, "--out", str(directory), *common]
         else:
-            command = [str(BIN / "raytrain-ddp"), "train", str(BENCH / "workload.py"), *layer, *common,
+            command = [_exe("raytrain-ddp"), "train", *layer, str(BENCH / "workload.py"), *common,
                        f"run.storage_path={directory / 'runs'}", "run.name=bench",
                        f"mlflow.tracking_uri=sqlite:///{self.work / 'mlflow.db'}"]
             if side in WARM:
@@ -251,7 +258,7 @@ class RayCluster:
         b.address = f"127.0.0.1:{port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
             k: v for k, v in b.cluster_env.items() if k != "RAY_ADDRESS"}
-        command = [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+        command = [_exe("ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
                    "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
                    f"--dashboard-agent-listen-port={_free_port()}", f"--temp-dir={b.work / 'ray'}", "--disable-usage-stats"]
         if b.config["scaling"].get("use_gpu"):
@@ -259,7 +266,7 @@ class RayCluster:
         self.log = open(b.work / "ray-head.txt", "a")
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 120
-        while subprocess.run([str(BIN / "ray"), "status", f"--address={b.address}"], env=env | b.cluster_env,
+        while subprocess.run([_exe("ray"), "status", f"--address={b.address}"], env=env | b.cluster_env,
                              capture_output=True).returncode != 0:
             if self.process.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the benchmark's Ray head did not start; see {b.work / 'ray-head.txt'}")
@@ -311,6 +318,10 @@ def _read_threads(directory: Path) -> dict[int, int]:
 
 def _diffs(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
+
+
+def _exe(name: str) -> str:
+    return str(BIN / name) if (BIN / name).exists() else shutil.which(name) or name
 
 
 def _free_port() -> int:
@@ -367,8 +378,15 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
         "rounds": max((r.round for r in runs), default=0),
         "figures": figures,
         "goals": _goals(figures),
-        "runs": [asdict(r) for r in runs],
+        "runs": [asdict(r) | {"log": str(Path(r.log).relative_to(bench.work))} for r in runs],  # no machine paths
     }
+
+
+def describe(config: dict, workers: int, batches_per_epoch: int) -> str:
+    t, d = config["train"], config["dataset"]
+    return (f"{config['model'].get('arch', 'mlp')}, {workers} worker{'s' if workers > 1 else ''} x batch {t['batch_size']}, "
+            f"{d['rows']} rows, {batches_per_epoch} steps/epoch, {t['epochs']} epoch{'s' if t['epochs'] > 1 else ''}, "
+            f"{t.get('precision', 'fp32')}")
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -405,8 +423,8 @@ def markdown(results: dict) -> str:
         f"### {m['name']}: {results['workload']}",
         "",
         f"{m['device']}; {m['cpus']} CPUs, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, ray {m['ray']}, "
-        f"mlflow {m['mlflow']}; {m['date']}. Median [min–max] over {results['rounds']} alternating rounds "
-        f"(a warm-up round before them is not counted).",
+        f"mlflow {m['mlflow']}; {m['date']}. Median [min–max] over {results['rounds']} alternating round(s)"
+        f"{', after a warm-up round (not counted)' if any(r['round'] == 0 for r in results['runs']) else ''}.",
         "",
         "| figure | " + " | ".join(_SIDE_NAMES.get(s, s) for s in sides) + " |",
         "|---|" + "---|" * len(sides),

@@ -1,0 +1,53 @@
+"""The benchmark harness (bench/), in a tiny version so it cannot rot: one short run of every side,
+the results written, and A and B shown to train the same model."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_ddp import checkpoint as ckpt
+from services import REPO, user_env
+
+SIDES = ["A", "B-cold", "B", "B-async", "B'"]
+
+
+@pytest.mark.slow
+def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path):
+    tiny = ["dataset.rows=2048", "dataset.val_rows=512", "dataset.block_rows=256", "train.epochs=2"]
+    result = subprocess.run(
+        [sys.executable, "bench/harness.py", "--rounds", "1", "--no-warmup", "--out", str(tmp_path), "--name", "smoke", *tiny],
+        cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    results = json.loads((tmp_path / "smoke.json").read_text())
+    figures = results["figures"]
+    assert list(figures) == SIDES
+    for side, f in figures.items():
+        assert 0 < f["step_ms"]["median"] < 1000, side
+        assert 0 < f["ttfs_s"]["median"] < f["wall_s"]["median"], side
+        assert 0 <= f["teardown_s"]["median"] < f["wall_s"]["median"], side
+        assert len(f["data_wait_per_worker"]) == 2 and all(0 <= w < 1 for w in f["data_wait_per_worker"]), side
+        assert f["epoch_s"]["n"] == 2 and f["checkpoint_s"]["n"] >= 1, side
+    assert figures["B"]["ratio_vs_a"]["n"] == 1 and figures["B"]["ttfs_gap_vs_a_s"]["n"] == 1
+    # The same batches, model, seed and optimizer: the same weights (and the comparison can tell:
+    # B' deals its rows out by a DistributedSampler, another order, and ends elsewhere).
+    for side in ("B-cold", "B", "B-async"):
+        assert figures[side]["weights_vs_a"] <= 1e-6, side
+    assert figures["B'"]["weights_vs_a"] > 1e-3
+    # Async uploads leave complete checkpoints behind.
+    work = Path(re.search(r"work directory (\S+)", result.stdout).group(1))
+    run = work / next(Path(r["log"]).parent for r in results["runs"] if r["side"] == "B-async")
+    for directory in sorted((run / "runs" / "bench").glob("epoch_*")):
+        assert ckpt.open_verified(directory).metrics()["epoch"] == int(directory.name.split("_")[1])
+
+    table = (tmp_path / "smoke.md").read_text()
+    assert "| steady step, ms |" in table and "| step time vs A (same round) |" in table
+    assert "| steady step time B/A |" in table and "| checkpoint blocking, B-async (async) |" in table
+    assert table in result.stdout
