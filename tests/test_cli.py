@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from services import cli as raytrain_ddp, user_env
@@ -82,7 +83,6 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
     passes.mkdir()
     command = [CLI, "train", TINY, "dataset.rows=2048", "train.epochs=40", "run.name=shared", f"model.fault_log={passes}"]
     env = user_env()
-    raylets_before = _raylets()
 
     a = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
@@ -98,11 +98,13 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
     assert lease["pid"] == a.pid  # B wrote nothing
     assert a.poll() is None  # and A trains on
 
+    tree = psutil.Process(a.pid).children(recursive=True)  # A's local Ray: GCS, raylet, controller, workers
     os.killpg(a.pid, signal.SIGKILL)
     a.wait(timeout=60)
-    assert _raylets_gone(raylets_before), "a killed driver must not leave its local Ray running"
-    # Read only now: A's controller and workers outlive its driver process by a moment, and may still
-    # commit a checkpoint (seen in CI: epoch 9 committed after the driver process had gone).
+    left = _still_running(tree, wait_s=30)
+    assert not left, f"a killed driver must not leave its local Ray running: {left}"
+    # Read only now that every process of A is gone: its controller and workers outlive the driver by a
+    # moment and may still commit a checkpoint (seen in CI: twice, one epoch after the driver had gone).
     latest_of_a = _latest_checkpoint(tmp_path / "runs" / "shared")
     a_steps = len((passes / "rank0.log").read_text().split())
 
@@ -150,13 +152,17 @@ def _latest_checkpoint(run_dir: Path) -> Path:
     return Path(ray.train.Result.from_path(run_dir).checkpoint.path)  # Ray's record: what a resume uses
 
 
-def _raylets() -> set[int]:
-    found = subprocess.run(["pgrep", "-f", "raylet/raylet"], capture_output=True, text=True).stdout.split()
-    return {int(pid) for pid in found}
-
-
-def _raylets_gone(before: set[int], wait_s: float = 20) -> bool:
+def _still_running(processes: list[psutil.Process], wait_s: float) -> list[str]:
+    """The processes not yet gone after up to `wait_s` (a zombie is gone: it can no longer write)."""
     deadline = time.monotonic() + wait_s
-    while _raylets() - before and time.monotonic() < deadline:
+    while True:
+        left = []
+        for process in processes:
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{process.pid} {process.name()}")
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.5)
-    return not (_raylets() - before)
