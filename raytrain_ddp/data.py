@@ -34,6 +34,11 @@ from raytrain_ddp.config import TrainSettings
 
 DATASETS = ("train", "val")
 SHUFFLE, WORKER_RNG, LOADER = 0, 1, 2  # the purposes derive_seed serves
+# Rows a worker takes from Ray Data at a time (at least one batch), then cuts into training batches on
+# the device: Ray Data's iterator threads cost about the same per batch whatever its size, and on a
+# 2-core machine they took CPU from training (README: Benchmarks). A local shuffle buffer smaller than
+# this is rounded up to it.
+FETCH_ROWS = 512
 
 
 def check_datasets(datasets: Any, job: str) -> dict[str, ray.data.Dataset | Dataset]:
@@ -89,6 +94,17 @@ def batches_per_epoch(train_rows: int, world_size: int, batch_size: int, drop_la
     return rows // batch_size if drop_last else math.ceil(rows / batch_size)
 
 
+def split_batches(batches: Iterator[dict[str, torch.Tensor]], size: int, drop_last: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Cut batches of a multiple of `size` rows (but the last) into consecutive batches of `size` rows,
+    views of them; the very last may be short, unless drop_last."""
+    for batch in batches:
+        rows = len(next(iter(batch.values())))
+        for start in range(0, rows, size):
+            if drop_last and start + size > rows:
+                return
+            yield {name: column[start:start + size] for name, column in batch.items()}
+
+
 def derive_seed(seed: int, *keys: int) -> int:
     """An independent 32-bit seed for each (seed, *keys): one per purpose, epoch and rank."""
     return int(np.random.SeedSequence(seed, spawn_key=keys).generate_state(1)[0])
@@ -117,13 +133,14 @@ class WorkerData:
             generator.manual_seed(derive_seed(self.seed, LOADER, epoch, self.rank))  # DataLoader workers' seeds
             return iter(loader)
         shuffle_seed = derive_seed(self.seed, SHUFFLE, epoch, self.rank)
-        return self.train_shard.iter_torch_batches(
-            batch_size=t.batch_size,
-            drop_last=t.drop_last,
+        per_fetch = max(1, FETCH_ROWS // t.batch_size)
+        fetched = self.train_shard.iter_torch_batches(
+            batch_size=t.batch_size * per_fetch,
             local_shuffle_buffer_size=t.local_shuffle_buffer_size if t.shuffle else None,
             local_shuffle_seed=shuffle_seed if t.shuffle else None,
             device=self.device,
         )
+        return split_batches(fetched, t.batch_size, t.drop_last)
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.loaders is not None:

@@ -219,6 +219,18 @@ def test_torch_dataset_path_splits_reshuffles_per_epoch_and_counts_validation_ro
     assert sorted(rank0["val"] + rank1["val"]) == list(range(15))  # no padding, no repeats
 
 
+def test_ray_data_fetches_are_cut_into_the_configured_batches_in_order():
+    from raytrain_ddp.data import split_batches
+
+    rows = torch.arange(13)
+    fetched = [{"x": rows[:8], "y": -rows[:8]}, {"x": rows[8:], "y": -rows[8:]}]  # 2 fetches of 2 batches of 4
+    kept = list(split_batches(iter(fetched), 4, drop_last=False))
+    assert [b["x"].tolist() for b in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12]]
+    assert all(torch.equal(b["y"], -b["x"]) for b in kept)  # columns cut alike
+    dropped = list(split_batches(iter(fetched), 4, drop_last=True))
+    assert [b["x"].tolist() for b in dropped] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
 # ---- optimizer, schedule, clipping ---------------------------------------------------------------
 
 
