@@ -4,7 +4,7 @@
 UV_VERSION := 0.13.9
 UV := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 
-.PHONY: install demo test test-quick bench
+.PHONY: install demo test test-quick lint format bench
 
 # uv itself, where the machine has none: a private copy in .tools, not on the user's PATH.
 .tools/bin/uv:
@@ -19,13 +19,23 @@ install: $(UV)
 demo: install
 	.venv/bin/raytrain-ddp train digits
 
-# System packages for the `ray up` test (sshd, rsync): installed where the machine allows, else named.
-test: install
+# Lint first, then every test. System packages for the `ray up` test (sshd, rsync): installed where
+# the machine allows, else named.
+test: lint
 	bash tests/system-deps.sh
 	.venv/bin/pytest
 
 test-quick: install
 	.venv/bin/pytest -m "not slow"
+
+# ruff: lint and formatting (pyproject.toml's [tool.ruff]); `make format` fixes what it can.
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: install
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
 
 # torchrun DDP against raytrain_ddp, alternating (bench/harness.py; ~30 min on 2 cores):
 # the table is printed and written to bench/results/<machine>.{json,md}.

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(bench.run(side, number))
         if warm := [s for s in sides if s in WARM]:
             with bench.ray_cluster():
-                for side in warm[round_ % len(warm):] + warm[:round_ % len(warm)]:
+                for side in warm[round_ % len(warm) :] + warm[: round_ % len(warm)]:
                     runs.append(bench.run(side, number))
         bench.compare_weights([r for r in runs if r.round == number])
         table = write(summarize(runs, bench, sides), Path(args.out), args.name or _machine_name(args.gpu))
@@ -168,10 +168,13 @@ class Bench:
             return None
         with torch.device("meta"):
             decoder = workload.build_model(**{k: v for k, v in self.config["model"].items() if k != "trace"})
-        return self.throughput(step_ms) * decoder.flops_per_token(self.config["dataset"]["sequence"]) / (peak * self.workers)
+        return (
+            self.throughput(step_ms)
+            * decoder.flops_per_token(self.config["dataset"]["sequence"])
+            / (peak * self.workers)
+        )
 
     def describe(self) -> str:
-        t, d = self.config["train"], self.config["dataset"]
         return describe(self.config, self.workers, self.batches_per_epoch)
 
     def run(self, side: str, round_: int) -> Run:
@@ -181,12 +184,29 @@ class Bench:
         layer = ["--config", self.layer] if self.layer else []
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
         if side == "A":
-            command = [_exe("torchrun"), f"--nproc-per-node={self.workers}", "--master-port", str(_free_port()),
-                       str(BENCH / "torchrun_ddp.py"), str(BENCH / "workload.yaml"), *layer, "--out", str(directory), *common]
+            command = [
+                _exe("torchrun"),
+                f"--nproc-per-node={self.workers}",
+                "--master-port",
+                str(_free_port()),
+                str(BENCH / "torchrun_ddp.py"),
+                str(BENCH / "workload.yaml"),
+                *layer,
+                "--out",
+                str(directory),
+                *common,
+            ]
         else:
-            command = [_exe("raytrain-ddp"), "train", *layer, str(BENCH / "workload.py"), *common,
-                       f"run.storage_path={directory / 'runs'}", "run.name=bench",
-                       f"mlflow.tracking_uri=sqlite:///{self.work / 'mlflow.db'}"]
+            command = [
+                _exe("raytrain-ddp"),
+                "train",
+                *layer,
+                str(BENCH / "workload.py"),
+                *common,
+                f"run.storage_path={directory / 'runs'}",
+                "run.name=bench",
+                f"mlflow.tracking_uri=sqlite:///{self.work / 'mlflow.db'}",
+            ]
             if side in WARM:
                 env |= self.cluster_env
         log = directory / "log.txt"
@@ -197,15 +217,22 @@ class Bench:
         run = Run(side, round_, exit_code, exited - launched, log=str(log))
         if exit_code == 0:
             self._read(run, directory, launched, exited)
-        print(f"  {side:8} {_fmt(run.step_ms, '.2f')} ms/step, first step {_fmt(run.ttfs_s, '.1f')} s, "
-              f"wall {run.wall_s:.1f} s{'' if exit_code == 0 else f', FAILED (exit {exit_code}, {log})'}", flush=True)
+        print(
+            f"  {side:8} {_fmt(run.step_ms, '.2f')} ms/step, first step {_fmt(run.ttfs_s, '.1f')} s, "
+            f"wall {run.wall_s:.1f} s{'' if exit_code == 0 else f', FAILED (exit {exit_code}, {log})'}",
+            flush=True,
+        )
         return run
 
     def _read(self, run: Run, directory: Path, launched: float, exited: float) -> None:
         traces = _read_traces(directory / "trace")
         n = self.batches_per_epoch
-        gaps = [g for train in traces.values() for e in range(len(train) // n)
-                for g in _diffs(train[e * n:(e + 1) * n])[DROP_FIRST_STEPS:]]
+        gaps = [
+            g
+            for train in traces.values()
+            for e in range(len(train) // n)
+            for g in _diffs(train[e * n : (e + 1) * n])[DROP_FIRST_STEPS:]
+        ]
         run.step_ms = statistics.median(gaps) * 1e3
         run.step_p90_ms = statistics.quantiles(gaps, n=10)[-1] * 1e3
         first = traces[0]
@@ -214,14 +241,21 @@ class Bench:
         run.threads = [t for _, t in sorted(_read_threads(directory / "trace").items())]
         if run.side == "A":
             ranks = [json.loads(p.read_text()) for p in sorted(directory.glob("rank*.json"))]
-            run.data_wait = [sum(e["data_wait_s"] for e in r["epochs"]) / sum(e["data_wait_s"] + e["compute_s"] for e in r["epochs"]) for r in ranks]
+            run.data_wait = [
+                sum(e["data_wait_s"] for e in r["epochs"]) / sum(e["data_wait_s"] + e["compute_s"] for e in r["epochs"])
+                for r in ranks
+            ]
             run.checkpoint_s = [e["checkpoint_s"] for e in ranks[0]["epochs"]]
             run.epoch_s = [e["epoch_time_s"] for e in ranks[0]["epochs"]]
             return
-        reports = [json.loads(p.read_text()) for p in sorted((directory / "runs" / "bench").glob("epoch_*/metrics.json"))]
+        reports = [
+            json.loads(p.read_text()) for p in sorted((directory / "runs" / "bench").glob("epoch_*/metrics.json"))
+        ]
         busy = [r["data_wait_s"] + r["compute_s"] for r in reports]  # per rank, averaged: weights each epoch's fraction
-        run.data_wait = [sum(r["data_wait_fraction_per_worker"][w] * b for r, b in zip(reports, busy)) / sum(busy)
-                         for w in range(self.workers)]
+        run.data_wait = [
+            sum(r["data_wait_fraction_per_worker"][w] * b for r, b in zip(reports, busy)) / sum(busy)
+            for w in range(self.workers)
+        ]
         run.checkpoint_s = [r["checkpoint_s"] for r in reports[1:]]  # each report carries the previous checkpoint's
         run.epoch_s = [r["epoch_time_s"] for r in reports]
 
@@ -240,7 +274,7 @@ class Bench:
     def cluster_env(self) -> dict[str, str]:
         return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.work / "token")}
 
-    def ray_cluster(self) -> "RayCluster":
+    def ray_cluster(self) -> RayCluster:
         return RayCluster(self)
 
 
@@ -251,23 +285,41 @@ class RayCluster:
     def __init__(self, bench: Bench):
         self.bench = bench
 
-    def __enter__(self) -> "RayCluster":
+    def __enter__(self) -> RayCluster:
         b = self.bench
         (b.work / "token").write_text(secrets.token_hex(32))
         port = _free_port()
         b.address = f"127.0.0.1:{port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
-            k: v for k, v in b.cluster_env.items() if k != "RAY_ADDRESS"}
-        command = [_exe("ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                   "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-                   f"--dashboard-agent-listen-port={_free_port()}", f"--temp-dir={b.work / 'ray'}", "--disable-usage-stats"]
+            k: v for k, v in b.cluster_env.items() if k != "RAY_ADDRESS"
+        }
+        command = [
+            _exe("ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--temp-dir={b.work / 'ray'}",
+            "--disable-usage-stats",
+        ]
         if b.config["scaling"].get("use_gpu"):
             command.append(f"--num-gpus={b.workers}")
         self.log = open(b.work / "ray-head.txt", "a")
-        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.time() + 120
-        while subprocess.run([_exe("ray"), "status", f"--address={b.address}"], env=env | b.cluster_env,
-                             capture_output=True).returncode != 0:
+        while (
+            subprocess.run(
+                [_exe("ray"), "status", f"--address={b.address}"], env=env | b.cluster_env, capture_output=True
+            ).returncode
+            != 0
+        ):
             if self.process.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the benchmark's Ray head did not start; see {b.work / 'ray-head.txt'}")
             time.sleep(1)
@@ -308,12 +360,17 @@ def _read_traces(directory: Path) -> dict[int, list[float]]:
     traces: dict[int, list[float]] = {}
     for path in directory.glob("rank*.txt"):
         rank = int(path.name[4:].split("-")[0])
-        traces.setdefault(rank, []).extend(float(line.split()[1]) for line in path.read_text().splitlines() if line.startswith("t "))
+        traces.setdefault(rank, []).extend(
+            float(line.split()[1]) for line in path.read_text().splitlines() if line.startswith("t ")
+        )
     return {rank: sorted(times) for rank, times in traces.items()}
 
 
 def _read_threads(directory: Path) -> dict[int, int]:
-    return {int(p.name[4:].split("-")[0]): int(p.read_text().split("\n", 1)[0].split()[1]) for p in directory.glob("rank*.txt")}
+    return {
+        int(p.name[4:].split("-")[0]): int(p.read_text().split("\n", 1)[0].split()[1])
+        for p in directory.glob("rank*.txt")
+    }
 
 
 def _diffs(times: list[float]) -> list[float]:
@@ -384,9 +441,12 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
 
 def describe(config: dict, workers: int, batches_per_epoch: int) -> str:
     t, d = config["train"], config["dataset"]
-    return (f"{config['model'].get('arch', 'mlp')}, {workers} worker{'s' if workers > 1 else ''} x batch {t['batch_size']}, "
-            f"{d['rows']} rows, {batches_per_epoch} steps/epoch, {t['epochs']} epoch{'s' if t['epochs'] > 1 else ''}, "
-            f"{t.get('precision', 'fp32')}")
+    return (
+        f"{config['model'].get('arch', 'mlp')}, {workers} worker{'s' if workers > 1 else ''} "
+        f"x batch {t['batch_size']}, "
+        f"{d['rows']} rows, {batches_per_epoch} steps/epoch, {t['epochs']} epoch{'s' if t['epochs'] > 1 else ''}, "
+        f"{t.get('precision', 'fp32')}"
+    )
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -407,11 +467,17 @@ def _goals(figures: dict) -> list[dict]:
     b = figures.get("B", {})
     goal("steady step time B/A", (b.get("ratio_vs_a") or {}).get("median"), GOALS["ratio"], "x")
     goal("warm time to first step, B - A", (b.get("ttfs_gap_vs_a_s") or {}).get("median"), GOALS["ttfs_gap_s"], "s")
-    goal("data wait, worst worker of B", max(b["data_wait_per_worker"]) if b.get("data_wait_per_worker") else None,
-         GOALS["data_wait"], "%")
+    goal(
+        "data wait, worst worker of B",
+        max(b["data_wait_per_worker"]) if b.get("data_wait_per_worker") else None,
+        GOALS["data_wait"],
+        "%",
+    )
     for side in ("B", "B-async"):
         share = (figures.get(side, {}).get("checkpoint_share") or {}).get("median")
-        goal(f"checkpoint blocking, {side} ({'sync' if side == 'B' else 'async'})", share, GOALS["checkpoint_share"], "%")
+        goal(
+            f"checkpoint blocking, {side} ({'sync' if side == 'B' else 'async'})", share, GOALS["checkpoint_share"], "%"
+        )
     return goals
 
 
@@ -422,8 +488,9 @@ def markdown(results: dict) -> str:
     lines = [
         f"### {m['name']}: {results['workload']}",
         "",
-        f"{m['device']}; {m['cpus']} CPUs, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, ray {m['ray']}, "
-        f"mlflow {m['mlflow']}; {m['date']}. Median [min–max] over {results['rounds']} alternating round(s)"
+        f"{m['device']}; {m['cpus']} CPUs, {m['memory_gb']:.0f} GB; Python {m['python']}, torch {m['torch']}, "
+        f"ray {m['ray']}, mlflow {m['mlflow']}; {m['date']}. "
+        f"Median [min–max] over {results['rounds']} alternating round(s)"
         f"{', after a warm-up round (not counted)' if any(r['round'] == 0 for r in results['runs']) else ''}.",
         "",
         "| figure | " + " | ".join(_SIDE_NAMES.get(s, s) for s in sides) + " |",
@@ -442,7 +509,10 @@ def markdown(results: dict) -> str:
         ("epoch (train + eval), s", lambda f: _cell(f.get("epoch_s"), ".2f")),
         ("teardown: last step → exit, s", lambda f: _cell(f.get("teardown_s"), ".1f")),
         ("launch → exit, s", lambda f: _cell(f.get("wall_s"), ".1f")),
-        ("final weights: max abs diff vs A", lambda f: "–" if f.get("weights_vs_a") is None else f"{f['weights_vs_a']:.1e}"),
+        (
+            "final weights: max abs diff vs A",
+            lambda f: "–" if f.get("weights_vs_a") is None else f"{f['weights_vs_a']:.1e}",
+        ),
         ("torch threads per rank", lambda f: ", ".join(map(str, f.get("threads", [])))),
     ]
     for name, cell in rows:
@@ -457,8 +527,13 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-_SIDE_NAMES = {"A": "A: torchrun", "B-cold": "B cold", "B": "B: raytrain_ddp", "B-async": "B, async ckpt",
-               "B'": "B′: torch DataLoader"}
+_SIDE_NAMES = {
+    "A": "A: torchrun",
+    "B-cold": "B cold",
+    "B": "B: raytrain_ddp",
+    "B-async": "B, async ckpt",
+    "B'": "B′: torch DataLoader",
+}
 
 
 def _cell(spread: dict | None, spec: str, same: str | None = None) -> str:
@@ -477,13 +552,31 @@ def _machine(gpu: bool) -> dict:
             return version(name)
         except PackageNotFoundError:
             return "-"
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else f"CPU only ({cpu})"
     return {
-        "name": _machine_name(gpu), "device": device, "cpu": cpu, "cpus": os.cpu_count(),
-        "memory_gb": psutil.virtual_memory().total / 2**30, "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__, "ray": installed("ray"), "mlflow": installed("mlflow-skinny") if installed("mlflow") == "-" else installed("mlflow"),
+        "name": _machine_name(gpu),
+        "device": device,
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_gb": psutil.virtual_memory().total / 2**30,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": installed("ray"),
+        "mlflow": installed("mlflow-skinny") if installed("mlflow") == "-" else installed("mlflow"),
         "date": time.strftime("%Y-%m-%d"),
     }
 

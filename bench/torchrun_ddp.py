@@ -33,7 +33,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("yaml", metavar="YAML", help="the benchmark's YAML (bench/workload.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="the same overrides side B is given")
-    parser.add_argument("--config", dest="layer", metavar="FILE", help="a YAML layered over it (as raytrain-ddp train --config)")
+    parser.add_argument(
+        "--config", dest="layer", metavar="FILE", help="a YAML layered over it (as raytrain-ddp train --config)"
+    )
     parser.add_argument("--out", required=True, help="directory for final.pt, rank<R>.json and the checkpoints")
     args = parser.parse_intermixed_args()
     config = load(args.yaml, args.overrides, args.layer)
@@ -78,15 +80,26 @@ def main() -> None:
         saving = time.perf_counter()
         if rank == 0:
             (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
-                       out / "checkpoints" / f"epoch_{epoch + 1:04d}.pt")
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
+                out / "checkpoints" / f"epoch_{epoch + 1:04d}.pt",
+            )
         dist.barrier()
-        clocks.append({"epoch": epoch + 1, "data_wait_s": data_wait, "compute_s": compute,
-                       "epoch_time_s": saving - started, "checkpoint_s": time.perf_counter() - saving})
+        clocks.append(
+            {
+                "epoch": epoch + 1,
+                "data_wait_s": data_wait,
+                "compute_s": compute,
+                "epoch_time_s": saving - started,
+                "checkpoint_s": time.perf_counter() - saving,
+            }
+        )
 
     if rank == 0:
         torch.save(model.state_dict(), out / "final.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "device": str(device), "epochs": clocks}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "world": world, "device": str(device), "epochs": clocks})
+    )
     dist.destroy_process_group()
 
 
@@ -106,7 +119,13 @@ def load(path: str, overrides: list[str], layer: str | None = None) -> dict:
 
 
 def _merge(base: dict, top: dict) -> dict:
-    return {**base, **{k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v for k, v in top.items()}}
+    return {
+        **base,
+        **{
+            k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+            for k, v in top.items()
+        },
+    }
 
 
 def _import(path: Path):

@@ -31,14 +31,23 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def build_model(*, arch: Literal["mlp", "resnet50", "gpt2"] = "mlp", hidden: int = 512, classes: int = 10,
-                trace: str | None = None) -> nn.Module:
+def build_model(
+    *, arch: Literal["mlp", "resnet50", "gpt2"] = "mlp", hidden: int = 512, classes: int = 10, trace: str | None = None
+) -> nn.Module:
     """`hidden`: the MLP's width; `classes`: its and ResNet-50's outputs (GPT-2's vocabulary is fixed)."""
     if arch == "mlp":
-        model = nn.Sequential(Pixels(), nn.Flatten(), nn.Linear(28 * 28, hidden), nn.ReLU(),
-                              nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        model = nn.Sequential(
+            Pixels(),
+            nn.Flatten(),
+            nn.Linear(28 * 28, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, classes),
+        )
     elif arch == "resnet50":
         import torchvision
+
         model = nn.Sequential(Pixels(), torchvision.models.resnet50(num_classes=classes))
     else:
         model = Decoder()
@@ -116,8 +125,15 @@ class StepTrace:
         os.write(self.fd, f"{'t' if module.training else 'e'} {time.time():.6f}\n".encode())
 
 
-def make_data(seed: int, rows: int, split: int = 0, *, shape: tuple[int, ...] = (1, 28, 28), classes: int = 10,
-              sequence: int | None = None) -> dict[str, np.ndarray]:
+def make_data(
+    seed: int,
+    rows: int,
+    split: int = 0,
+    *,
+    shape: tuple[int, ...] = (1, 28, 28),
+    classes: int = 10,
+    sequence: int | None = None,
+) -> dict[str, np.ndarray]:
     """Columns of `rows` rows (split 0: training, 1: validation):
     - `sequence` set: {"tokens": (rows, sequence + 1) int64}, random ids below `classes`;
     - 1-channel `shape`: {"image": float32 normal pixels, "label": a fixed random linear teacher's
@@ -127,8 +143,10 @@ def make_data(seed: int, rows: int, split: int = 0, *, shape: tuple[int, ...] = 
     if sequence is not None:
         return {"tokens": rng.integers(0, classes, (rows, sequence + 1), dtype=np.int64)}
     if shape[0] != 1:
-        return {"image": rng.integers(0, 256, (rows, *shape), dtype=np.uint8),
-                "label": rng.integers(0, classes, rows, dtype=np.int64)}
+        return {
+            "image": rng.integers(0, 256, (rows, *shape), dtype=np.uint8),
+            "label": rng.integers(0, classes, rows, dtype=np.int64),
+        }
     images = rng.standard_normal((rows, *shape), dtype=np.float32)
     teacher = np.random.default_rng(seed).standard_normal((int(np.prod(shape)), classes), dtype=np.float32)
     return {"image": images, "label": (images.reshape(rows, -1) @ teacher).argmax(axis=1).astype(np.int64)}
@@ -154,12 +172,22 @@ class Rows(torch.utils.data.Dataset):
         return {name: values[i] for name, values in self.columns.items()}
 
 
-def build_datasets(*, seed: int, rows: int = 61_440, val_rows: int = 10_240, block_rows: int = 1_024,
-                   source: Literal["ray", "torch"] = "ray", shape: tuple[int, ...] = (1, 28, 28), classes: int = 10,
-                   sequence: int | None = None) -> dict:
+def build_datasets(
+    *,
+    seed: int,
+    rows: int = 61_440,
+    val_rows: int = 10_240,
+    block_rows: int = 1_024,
+    source: Literal["ray", "torch"] = "ray",
+    shape: tuple[int, ...] = (1, 28, 28),
+    classes: int = 10,
+    sequence: int | None = None,
+) -> dict:
     """`source: ray`: Ray Datasets of `block_rows`-row blocks; `torch`: `Rows`. See make_data."""
-    columns = {split: make_data(seed, n, i, shape=tuple(shape), classes=classes, sequence=sequence)
-               for i, (split, n) in enumerate((("train", rows), ("val", val_rows)))}
+    columns = {
+        split: make_data(seed, n, i, shape=tuple(shape), classes=classes, sequence=sequence)
+        for i, (split, n) in enumerate((("train", rows), ("val", val_rows)))
+    }
     if source == "torch":
         return {split: Rows(c) for split, c in columns.items()}
     import pyarrow as pa
@@ -170,10 +198,12 @@ def build_datasets(*, seed: int, rows: int = 61_440, val_rows: int = 10_240, blo
         return ArrowTensorArray.from_numpy(values) if values.ndim > 1 else pa.array(values)
 
     return {
-        split: ray.data.from_blocks([
-            pa.table({name: column(values[i:i + block_rows]) for name, values in c.items()})
-            for i in range(0, len(next(iter(c.values()))), block_rows)
-        ])
+        split: ray.data.from_blocks(
+            [
+                pa.table({name: column(values[i : i + block_rows]) for name, values in c.items()})
+                for i in range(0, len(next(iter(c.values()))), block_rows)
+            ]
+        )
         for split, c in columns.items()
     }
 

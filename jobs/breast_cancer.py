@@ -30,13 +30,19 @@ def build_model(
     *, hidden: Annotated[int, Field(ge=1)] = 64, dropout: Annotated[float, Field(ge=0, lt=1)] = 0.2
 ) -> nn.Module:
     return nn.Sequential(
-        nn.Linear(len(FEATURES), hidden), nn.ReLU(), nn.Dropout(dropout),
-        nn.Linear(hidden, hidden // 2), nn.ReLU(), nn.Dropout(dropout),
+        nn.Linear(len(FEATURES), hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, hidden // 2),
+        nn.ReLU(),
+        nn.Dropout(dropout),
         nn.Linear(hidden // 2, 2),
     )
 
 
-def build_datasets(*, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2) -> dict[str, ray.data.Dataset]:
+def build_datasets(
+    *, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
+) -> dict[str, ray.data.Dataset]:
     """Rows of {"x": 30 measurements standardized with the training split's mean and std, "y": 0
     malignant / 1 benign}."""
     table = ray.data.from_pandas(_DATA.frame)
@@ -48,8 +54,10 @@ def build_datasets(*, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1
         x = (batch[FEATURES] - mean) / std
         return {"x": x.to_numpy(np.float32), "y": batch["target"].to_numpy(np.int64)}
 
-    return {"train": train.map_batches(standardize, batch_format="pandas").materialize(),
-            "val": val.map_batches(standardize, batch_format="pandas").materialize()}
+    return {
+        "train": train.map_batches(standardize, batch_format="pandas").materialize(),
+        "val": val.map_batches(standardize, batch_format="pandas").materialize(),
+    }
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,8 @@ service (DistributedSampler, `prepare_data_loader`). Every epoch reports tokens/
 checkpoint's model writes a short sample, logged to MLflow as `sample.txt`.
 
     raytrain-ddp train char_gpt dataset.path=input.txt
-    raytrain-ddp train char_gpt dataset.path=input.txt model.n_layer=6 model.n_embd=384 scaling.use_gpu=true train.precision=bf16
+    raytrain-ddp train char_gpt dataset.path=input.txt model.n_layer=6 model.n_embd=384 \
+        scaling.use_gpu=true train.precision=bf16
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class Block(nn.Module):
         self.n_head, self.dropout = n_head, dropout
         self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
         self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -119,7 +122,10 @@ def build_datasets(
         raise FileNotFoundError(f"dataset.path={path}: no such text file")
     data = torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8)
     split = int(len(data) * (1 - val_fraction))
-    windows = {"train": Windows(data[:split], context, stride or context), "val": Windows(data[split:], context, context)}
+    windows = {
+        "train": Windows(data[:split], context, stride or context),
+        "val": Windows(data[split:], context, context),
+    }
     for name, ds in windows.items():
         if len(ds) < 2:
             raise ValueError(f"dataset.path={path}: too short for two {name} windows of {context + 1} bytes")

@@ -34,7 +34,9 @@ def build_model(*, num_classes: Annotated[int, Field(ge=2)] = 10) -> nn.Module:
     return model
 
 
-def build_datasets(*, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2) -> dict[str, ray.data.Dataset]:
+def build_datasets(
+    *, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
+) -> dict[str, ray.data.Dataset]:
     """Read the CSV (64 pixel columns + label), split train/val by `seed`, normalize to (1, 8, 8)."""
     csv = importlib.resources.files("sklearn.datasets.data") / "digits.csv.gz"
     raw = ray.data.read_csv(str(csv), read_options=pyarrow.csv.ReadOptions(autogenerate_column_names=True))

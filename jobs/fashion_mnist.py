@@ -73,7 +73,9 @@ def _normalize(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _find(path: str, name: str) -> str:
     """`name` or `name.gz` in `path` or in `path/FashionMNIST/raw` (where torchvision downloads)."""
-    candidates = [f"{d}/{name}{gz}" for d in (path.rstrip("/"), f"{path.rstrip('/')}/FashionMNIST/raw") for gz in ("", ".gz")]
+    candidates = [
+        f"{d}/{name}{gz}" for d in (path.rstrip("/"), f"{path.rstrip('/')}/FashionMNIST/raw") for gz in ("", ".gz")
+    ]
     for candidate in candidates:
         fs, fs_path = _filesystem(candidate)
         if fs.get_file_info(fs_path).is_file:

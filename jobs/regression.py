@@ -31,13 +31,19 @@ def build_model(
     *, hidden: Annotated[int, Field(ge=1)] = 64, dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1
 ) -> nn.Module:
     return nn.Sequential(
-        nn.Linear(len(FEATURES), hidden), nn.ReLU(), nn.Dropout(dropout),
-        nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+        nn.Linear(len(FEATURES), hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Dropout(dropout),
         nn.Linear(hidden, 1),
     )
 
 
-def build_datasets(*, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2) -> dict[str, ray.data.Dataset]:
+def build_datasets(
+    *, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
+) -> dict[str, ray.data.Dataset]:
     """Rows of {"x": 10 standardized features, "y": standardized target}, standardized with the
     training split's mean and std, so a prediction of 0 is the training mean."""
     table = ray.data.from_pandas(load_diabetes(as_frame=True, scaled=False).frame)
@@ -49,8 +55,10 @@ def build_datasets(*, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1
         scaled = (batch - mean) / std
         return {"x": scaled[FEATURES].to_numpy(np.float32), "y": scaled["target"].to_numpy(np.float32)}
 
-    return {"train": train.map_batches(standardize, batch_format="pandas").materialize(),
-            "val": val.map_batches(standardize, batch_format="pandas").materialize()}
+    return {
+        "train": train.map_batches(standardize, batch_format="pandas").materialize(),
+        "val": val.map_batches(standardize, batch_format="pandas").materialize(),
+    }
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -29,8 +29,12 @@ class TwoTower(nn.Module):
     def __init__(self, num_users: int, num_items: int, dim: int, temperature: float):
         super().__init__()
         self.num_users, self.num_items, self.temperature = num_users, num_items, temperature
-        self.user_tower = nn.Sequential(nn.Embedding(num_users, dim), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
-        self.item_tower = nn.Sequential(nn.Embedding(num_items, dim), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+        self.user_tower = nn.Sequential(
+            nn.Embedding(num_users, dim), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim)
+        )
+        self.item_tower = nn.Sequential(
+            nn.Embedding(num_items, dim), nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim)
+        )
 
     def forward(self, user_ids: torch.Tensor, item_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Scores: (users, items) of the batch's users against `item_ids` (training: the batch's own

@@ -24,9 +24,10 @@ import contextlib
 import hashlib
 import json
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import ray.train
@@ -77,7 +78,9 @@ def save(
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     (directory / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
     files = (MODEL_FILE, STATE_FILE, CONFIG_FILE, METRICS_FILE)
-    manifest = {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in files}
+    manifest = {
+        name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in files
+    }
     (directory / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": manifest}, indent=2))
 
 
@@ -97,7 +100,9 @@ def verify(directory: str | Path) -> None:
             raise CheckpointError(f"{name} is missing")
         size = path.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(f"{name} is truncated or overwritten ({size} bytes, the manifest says {expected['bytes']})")
+            raise CheckpointError(
+                f"{name} is truncated or overwritten ({size} bytes, the manifest says {expected['bytes']})"
+            )
         if _sha256(path) != expected["sha256"]:
             raise CheckpointError(f"{name} does not match its checksum (the bytes changed after it was written)")
 
@@ -193,8 +198,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "cached_gaussian": cached},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached,
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -205,7 +215,9 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuples(state["python"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

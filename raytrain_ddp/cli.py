@@ -1,10 +1,10 @@
 """The command line.
 
-    raytrain-ddp train digits                              # the flagship job on a local Ray
-    raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
-    raytrain-ddp train digits --print-config               # validate and show the resolved config
-    raytrain-ddp jobs                                      # the jobs it can find
-    raytrain-ddp register runs/<name>                      # register a finished run's model later
+raytrain-ddp train digits                              # the flagship job on a local Ray
+raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
+raytrain-ddp train digits --print-config               # validate and show the resolved config
+raytrain-ddp jobs                                      # the jobs it can find
+raytrain-ddp register runs/<name>                      # register a finished run's model later
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import typing
-from typing import Sequence
+from collections.abc import Sequence
 
 import yaml
 from pydantic import BaseModel
@@ -49,11 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
     commands.add_parser("jobs", help="list the jobs found in ./jobs and the project's jobs/")
     register = commands.add_parser(
-        "register", help="register the model of a run that finished training but was not registered",
+        "register",
+        help="register the model of a run that finished training but was not registered",
         description="Register the best checkpoint of a finished run whose driver could not (the MLflow tracking "
         "server was down, say). Registering twice creates no second version.",
     )
-    register.add_argument("run", help="the run's directory: <run.storage_path>/<run.name> (a path or URI, e.g. s3://bucket/runs/name)")
+    register.add_argument(
+        "run", help="the run's directory: <run.storage_path>/<run.name> (a path or URI, e.g. s3://bucket/runs/name)"
+    )
     register.add_argument("--tracking-uri", help="the MLflow tracking server (default: the one the run used)")
     register.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
     # Overrides may also follow an option (`train JOB --config F k=v`), where argparse stops taking them.
@@ -64,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
     if args.command == "jobs":
-        print("\n".join(recipes.available_jobs()) or "no jobs found in: " + ", ".join(map(str, recipes.job_search_path())))
+        print(
+            "\n".join(recipes.available_jobs()) or "no jobs found in: " + ", ".join(map(str, recipes.job_search_path()))
+        )
         return 0
     if args.command == "register":
         return _register(args)
@@ -77,7 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
 
-    from raytrain_ddp.driver import RegistrationFailed, RunFailed, RunInterrupted, run  # torch, Ray, MLflow: only to train
+    from raytrain_ddp.driver import (
+        RegistrationFailed,
+        RunFailed,
+        RunInterrupted,
+        run,
+    )  # torch, Ray, MLflow: only to train
     from raytrain_ddp.lease import RunBusy
 
     try:
@@ -122,7 +132,15 @@ def _describe_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
             continue
         default = field.get_default(call_default_factory=True)
         allowed = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
-        shown = "|".join(allowed) if allowed else ("required" if field.is_required() else yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n..."))
+        shown = (
+            "|".join(allowed)
+            if allowed
+            else (
+                "required"
+                if field.is_required()
+                else yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("\n...")
+            )
+        )
         lines.append(f"  {prefix}{name} ({shown}): {field.description or ''}")
     return lines
 

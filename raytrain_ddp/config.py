@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -39,7 +40,11 @@ class TrainSettings(_Section):
     """How each worker optimizes."""
 
     epochs: int = Field(10, ge=1, description="passes over the training set")
-    batch_size: int = Field(64, ge=1, description="rows per micro-batch per worker (global batch = batch_size x num_workers x grad_accum_steps)")
+    batch_size: int = Field(
+        64,
+        ge=1,
+        description="rows per micro-batch per worker (global batch = batch_size x num_workers x grad_accum_steps)",
+    )
     grad_accum_steps: int = Field(
         1, ge=1, description="micro-batches per optimizer step; DDP syncs gradients only on the last (no_sync); 1 = off"
     )
@@ -54,7 +59,9 @@ class TrainSettings(_Section):
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="torch.optim.AdamW or SGD (with momentum)")
     lr: float = Field(1e-3, gt=0, description="peak learning rate")
     weight_decay: float = Field(
-        0.0, ge=0, description="decoupled (AdamW) or L2 (SGD) decay of weight matrices and kernels (not biases or norms); 0 = off"
+        0.0,
+        ge=0,
+        description="decoupled (AdamW) or L2 (SGD) decay of weight matrices and kernels (not biases or norms); 0 = off",
     )
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (ignored by AdamW)")
     lr_schedule: Literal["constant", "cosine", "step"] = Field(
@@ -85,7 +92,7 @@ class ScalingSettings(_Section):
     )
 
     @model_validator(mode="after")
-    def _resources_are_possible(self) -> "ScalingSettings":
+    def _resources_are_possible(self) -> ScalingSettings:
         bad = {k: v for k, v in self.resources_per_worker.items() if v < 0}
         if bad:
             raise ValueError(f"resources_per_worker amounts must be >= 0, got {bad}")
@@ -113,15 +120,20 @@ class CheckpointSettings(_Section):
     each evaluated and ranked by a reported metric."""
 
     every_n_steps: int | None = Field(
-        None, ge=1, description="also checkpoint (and evaluate) every N optimizer steps, mid-epoch; a failure then "
-        "costs at most N steps; null = at epoch ends only"
+        None,
+        ge=1,
+        description="also checkpoint (and evaluate) every N optimizer steps, mid-epoch; a failure then "
+        "costs at most N steps; null = at epoch ends only",
     )
-    num_to_keep: int | None = Field(2, ge=1, description="checkpoints kept on storage (best by score, plus the latest); null = all")
+    num_to_keep: int | None = Field(
+        2, ge=1, description="checkpoints kept on storage (best by score, plus the latest); null = all"
+    )
     score_attribute: str = Field("val_loss", min_length=1, description="reported metric that ranks checkpoints")
     score_order: Literal["max", "min"] = Field("min", description="whether a larger or smaller score is better")
     upload: Literal["sync", "async"] = Field(
-        "sync", description="sync: training waits until each checkpoint is on storage and committed; async: rank 0 "
-        "writes it locally and training goes on while it uploads (a failure meanwhile resumes from the one before)"
+        "sync",
+        description="sync: training waits until each checkpoint is on storage and committed; async: rank 0 "
+        "writes it locally and training goes on while it uploads (a failure meanwhile resumes from the one before)",
     )
 
 
@@ -133,18 +145,24 @@ class RunSettings(_Section):
     )
     storage_path: str = Field("./runs", min_length=1, description="checkpoints go to <storage_path>/<name>/")
     max_failures: int = Field(
-        0, ge=-1, description="restarts of the workers, from the latest checkpoint, after a worker fails; -1 = unlimited"
+        0,
+        ge=-1,
+        description="restarts of the workers, from the latest checkpoint, after a worker fails; -1 = unlimited",
     )
     controller_poll_s: float = Field(
-        0.5, gt=0, description="how often Ray Train's controller polls the workers: the delay of progress lines, "
-        "failure detection and each checkpoint's commit, which the workers wait for (Ray's default: 2)"
+        0.5,
+        gt=0,
+        description="how often Ray Train's controller polls the workers: the delay of progress lines, "
+        "failure detection and each checkpoint's commit, which the workers wait for (Ray's default: 2)",
     )
 
     @model_validator(mode="after")
-    def _name_is_a_directory_name(self) -> "RunSettings":
+    def _name_is_a_directory_name(self) -> RunSettings:
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             raise ValueError(f"name must be letters, digits, '.', '_' or '-' (a directory name), got {self.name!r}")
-        _refuse_credentials("storage_path", self.storage_path, "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an instance role")
+        _refuse_credentials(
+            "storage_path", self.storage_path, "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an instance role"
+        )
         return self
 
 
@@ -158,9 +176,13 @@ class MLflowSettings(_Section):
     model_name: str | None = Field(None, description="registered model name; null = the job name")
 
     @model_validator(mode="after")
-    def _no_credentials(self) -> "MLflowSettings":
+    def _no_credentials(self) -> MLflowSettings:
         if self.tracking_uri is not None:
-            _refuse_credentials("tracking_uri", self.tracking_uri, "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN")
+            _refuse_credentials(
+                "tracking_uri",
+                self.tracking_uri,
+                "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN",
+            )
         return self
 
 
@@ -187,7 +209,7 @@ class Config(_Section):
     mlflow: MLflowSettings = Field(default_factory=MLflowSettings)
 
     @model_validator(mode="after")
-    def _runs_on_the_chosen_device(self) -> "Config":
+    def _runs_on_the_chosen_device(self) -> Config:
         if self.scaling.use_gpu:
             return self
         if self.train.precision == "fp16":
@@ -206,19 +228,19 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
         return cls.model_validate(data)
 
     def flat(self) -> dict[str, Any]:
         """`{"train.lr": 0.001, ...}`: the config as MLflow params."""
         return {".".join(path): value for path, value in _flatten(self.to_dict())}
 
-    def overrides_against(self, base: "Config") -> list[str]:
+    def overrides_against(self, base: Config) -> list[str]:
         """The `key=value` overrides that turn `base` into this config."""
         before = base.flat()
         return [f"{key}={_yaml_value(value)}" for key, value in self.flat().items() if before.get(key) != value]
 
-    def with_overrides(self, *overrides: str) -> "Config":
+    def with_overrides(self, *overrides: str) -> Config:
         """A copy with `key.sub=value` overrides applied and validated."""
         return _validate(self.job, [_Layer("config", self.to_dict()), *_override_layers(self.job, overrides)])
 

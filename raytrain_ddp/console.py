@@ -53,8 +53,17 @@ class LiveProgress:
     the phase on a terminal. Keeps what the driver needs afterwards: the failures, and why the run
     stopped if the workers stopped it."""
 
-    def __init__(self, console: Console, *, epochs: int, score: str, order: str, workers: int,
-                 max_failures: int, latest: str | None):
+    def __init__(
+        self,
+        console: Console,
+        *,
+        epochs: int,
+        score: str,
+        order: str,
+        workers: int,
+        max_failures: int,
+        latest: str | None,
+    ):
         self.console, self.epochs, self.score, self.order = console, epochs, score, order
         self.max_failures, self.latest = max_failures, latest
         self.relay: ProgressRelay | None = None  # for the trainer's callbacks, from __enter__ on
@@ -65,7 +74,7 @@ class LiveProgress:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True)
 
-    def __enter__(self) -> "LiveProgress":
+    def __enter__(self) -> LiveProgress:
         self.queue = Queue(actor_options={"num_cpus": 0})
         self.relay = ProgressRelay(self.queue, self.latest)
         self._status.start()
@@ -105,7 +114,11 @@ class LiveProgress:
         values = "  ".join(f"{k} [bold]{v:.4f}[/]" for k, v in m.items() if _is_quality_metric(k, v))
         best = "  [green]★ best[/]" if improved else ""
         epoch = m["epoch"]
-        where = f"epoch {epoch:>3.0f}/{self.epochs}" if epoch == int(epoch) else f"  step {m['step']:>5} (epoch {epoch:.2f})"
+        where = (
+            f"epoch {epoch:>3.0f}/{self.epochs}"
+            if epoch == int(epoch)
+            else f"  step {m['step']:>5} (epoch {epoch:.2f})"
+        )
         self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {_throughput(m)}[/]{best}")
         self._status.update(f"Training… epoch {epoch:.4g}/{self.epochs}")
 
@@ -137,7 +150,7 @@ def one_line(error: BaseException) -> str:
     return last if len(last) <= 200 else last[:199] + "…"
 
 
-def print_summary(console: Console, summary: "RunSummary") -> None:
+def print_summary(console: Console, summary: RunSummary) -> None:
     best = summary.metrics
     rows = [(f"{k} (global)", f"{v:.4f}") for k, v in best.items() if _is_quality_metric(k, v) and k != "train_loss"]
     rows += [
@@ -152,7 +165,13 @@ def print_summary(console: Console, summary: "RunSummary") -> None:
         ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
     ]
     if summary.resumed.checkpoint:
-        rows.insert(0, ("resumed from", f"{summary.resumed.checkpoint} (epoch {summary.resumed.epoch:.4g}, step {summary.resumed.step})"))
+        rows.insert(
+            0,
+            (
+                "resumed from",
+                f"{summary.resumed.checkpoint} (epoch {summary.resumed.epoch:.4g}, step {summary.resumed.step})",
+            ),
+        )
     if summary.failures:
         restarts = "; ".join(f"{i}: {failure}" for i, failure in enumerate(summary.failures, 1))
         rows.insert(0, ("attempts", f"{summary.attempts}, after failures: {restarts}"))

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import ray.data
@@ -94,7 +95,9 @@ def batches_per_epoch(train_rows: int, world_size: int, batch_size: int, drop_la
     return rows // batch_size if drop_last else math.ceil(rows / batch_size)
 
 
-def split_batches(batches: Iterator[dict[str, torch.Tensor]], size: int, drop_last: bool) -> Iterator[dict[str, torch.Tensor]]:
+def split_batches(
+    batches: Iterator[dict[str, torch.Tensor]], size: int, drop_last: bool
+) -> Iterator[dict[str, torch.Tensor]]:
     """Cut batches of a multiple of `size` rows (but the last) into consecutive batches of `size` rows,
     views of them; the very last may be short, unless drop_last."""
     for batch in batches:
@@ -102,7 +105,7 @@ def split_batches(batches: Iterator[dict[str, torch.Tensor]], size: int, drop_la
         for start in range(0, rows, size):
             if drop_last and start + size > rows:
                 return
-            yield {name: column[start:start + size] for name, column in batch.items()}
+            yield {name: column[start : start + size] for name, column in batch.items()}
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -154,13 +157,22 @@ class WorkerData:
     def _loaders(self, datasets: Mapping[str, Dataset]) -> dict[str, Any]:
         t, pin = self.train, self.device.type == "cuda"
         sampler = DistributedSampler(
-            datasets["train"], num_replicas=self.world_size, rank=self.rank, shuffle=t.shuffle,
-            seed=derive_seed(self.seed, SHUFFLE), drop_last=True,
+            datasets["train"],
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=t.shuffle,
+            seed=derive_seed(self.seed, SHUFFLE),
+            drop_last=True,
         )
         generator = torch.Generator()
         train = DataLoader(
-            datasets["train"], batch_size=t.batch_size, sampler=sampler, drop_last=t.drop_last,
-            num_workers=t.num_loader_workers, generator=generator, pin_memory=pin,
+            datasets["train"],
+            batch_size=t.batch_size,
+            sampler=sampler,
+            drop_last=t.drop_last,
+            num_workers=t.num_loader_workers,
+            generator=generator,
+            pin_memory=pin,
         )
         val_rows = Subset(datasets["val"], range(self.rank, len(datasets["val"]), self.world_size))
         val = DataLoader(val_rows, batch_size=t.eval_batch_size, num_workers=t.num_loader_workers, pin_memory=pin)

@@ -17,9 +17,10 @@ import shlex
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 import ray.data
@@ -31,11 +32,11 @@ from rich.markup import escape
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import console as ui
-from raytrain_ddp import data, lease, preflight, recipe as recipes, storage, tracking
+from raytrain_ddp import data, lease, preflight, storage, tracking
+from raytrain_ddp import recipe as recipes
 from raytrain_ddp.config import Config, ConfigError, load_config
 from raytrain_ddp.loop import train_loop_per_worker
 from raytrain_ddp.optim import optimizer_steps
-
 
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
@@ -107,7 +108,11 @@ def _run(config: Config, verbose: bool, console: Console) -> RunSummary:
     t = config.train
     batches = data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last)
     accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
-    resuming = f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})" if resume.checkpoint else ""
+    resuming = (
+        f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})"
+        if resume.checkpoint
+        else ""
+    )
     console.print(
         f"[bold]{config.run.name}[/]: job {recipe.name}, {config.scaling.num_workers} workers × batch "
         f"{t.batch_size}{accumulation}, {train_rows} training rows "
@@ -141,18 +146,25 @@ def _run(config: Config, verbose: bool, console: Console) -> RunSummary:
             # as SystemExit or KeyboardInterrupt, depending on when it lands.
             interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted))
             _finish_quietly(config, run_id, "KILLED" if interrupted else "FAILED")
-            what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})" if interrupted else f"failed: {_describe_failure(e, config, progress)}"
+            what = (
+                f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})"
+                if interrupted
+                else f"failed: {_describe_failure(e, config, progress)}"
+            )
             kind = RunInterrupted if interrupted else RunFailed
             raise kind(f"run {config.run.name} {what}\ncheckpoints so far: {run_path}\nresume: {resume_command}") from e
         try:
             with console.status("Registering the best checkpoint's model in MLflow…"):
-                best_checkpoint, best_metrics, registered, artifacts = _register_best(config, recipe, result.best_checkpoints, run_id, example, console)
+                best_checkpoint, best_metrics, registered, artifacts = _register_best(
+                    config, recipe, result.best_checkpoints, run_id, example, console
+                )
             tracking.finish_run(config, run_id, "FINISHED")
         except Exception as e:
             _finish_quietly(config, run_id, "FAILED")
             raise RegistrationFailed(
                 f"run {config.run.name} finished training ({epochs} epochs), but its model was not registered: "
-                f"{ui.one_line(e)}\ncheckpoints: {run_path}\nregister it later: {shlex.join(['raytrain-ddp', 'register', run_path])}"
+                f"{ui.one_line(e)}\ncheckpoints: {run_path}\n"
+                f"register it later: {shlex.join(['raytrain-ddp', 'register', run_path])}"
             ) from e
 
     summary = RunSummary(
@@ -178,8 +190,9 @@ def _run(config: Config, verbose: bool, console: Console) -> RunSummary:
     return summary
 
 
-def register(run_path: str, *, tracking_uri: str | None = None, verbose: bool = False,
-             console: Console | None = None) -> tracking.RegisteredModel:
+def register(
+    run_path: str, *, tracking_uri: str | None = None, verbose: bool = False, console: Console | None = None
+) -> tracking.RegisteredModel:
     """Register the best checkpoint of a run that finished training but whose model was not
     registered (the tracking server was down, say), with the config saved in its checkpoints, into
     `tracking_uri` (default: the one the run used). Idempotent: a version this run already
@@ -198,16 +211,23 @@ def register(run_path: str, *, tracking_uri: str | None = None, verbose: bool = 
         with ckpt.open_first_verified(ckpt.newest_first(checkpoints)) as latest:
             saved = Config.from_dict(latest.verified.config())
             epoch = latest.verified.metrics()["epoch"]
-        config = saved.model_copy(update={
-            "run": saved.run.model_copy(update={"storage_path": storage_path, "name": name}),
-            "mlflow": saved.mlflow.model_copy(update={"tracking_uri": tracking.resolve_tracking_uri(tracking_uri or saved.mlflow.tracking_uri)}),
-        })
+        config = saved.model_copy(
+            update={
+                "run": saved.run.model_copy(update={"storage_path": storage_path, "name": name}),
+                "mlflow": saved.mlflow.model_copy(
+                    update={"tracking_uri": tracking.resolve_tracking_uri(tracking_uri or saved.mlflow.tracking_uri)}
+                ),
+            }
+        )
         recipe = recipes.load(config.job)
         if epoch < config.train.epochs:
-            raise ConfigError(config.job, [
-                f"run {name} has not finished training (epoch {epoch:g} of {config.train.epochs}); "
-                f"resume it: {_resume_command(config, recipe.name)}"
-            ])
+            raise ConfigError(
+                config.job,
+                [
+                    f"run {name} has not finished training (epoch {epoch:g} of {config.train.epochs}); "
+                    f"resume it: {_resume_command(config, recipe.name)}"
+                ],
+            )
         if problem := tracking.check_server(config.mlflow.tracking_uri):
             raise ConfigError(config.job, [problem])
         with console.status("Reading two validation rows for the model's input example…"):
@@ -217,8 +237,10 @@ def register(run_path: str, *, tracking_uri: str | None = None, verbose: bool = 
             run_id = tracking.start_run(config)
             best_checkpoint, _, registered, _ = _register_best(config, recipe, checkpoints, run_id, example, console)
             tracking.finish_run(config, run_id, "FINISHED")
-    console.print(f"{name}: {best_checkpoint} is [bold]{registered.name}[/] version {registered.version} ({registered.uri}); "
-                  f"MLflow run {run_id} in {config.mlflow.tracking_uri}")
+    console.print(
+        f"{name}: {best_checkpoint} is [bold]{registered.name}[/] version {registered.version} ({registered.uri}); "
+        f"MLflow run {run_id} in {config.mlflow.tracking_uri}"
+    )
     return registered
 
 
@@ -246,12 +268,17 @@ def _build_datasets(config: Config, recipe: recipes.Recipe) -> dict:
         raise ConfigError(config.job, [str(e)]) from None
 
 
-def _check_before_training(config: Config, recipe: recipes.Recipe, datasets: dict, example: dict, run_path: str) -> preflight.Resume:
+def _check_before_training(
+    config: Config, recipe: recipes.Recipe, datasets: dict, example: dict, run_path: str
+) -> preflight.Resume:
     """Everything that can rule the run out without starting a worker (see preflight.py), reported
     at once as a ConfigError; a run whose checkpoints are all damaged is a RunFailed. Returns where
     the run stands."""
-    problems = (preflight.check_recipe(config, recipe, example) + preflight.check_resources(config, datasets)
-                + storage.check_shared(config.run.storage_path))
+    problems = (
+        preflight.check_recipe(config, recipe, example)
+        + preflight.check_resources(config, datasets)
+        + storage.check_shared(config.run.storage_path)
+    )
     try:
         resume, conflicts = preflight.check_resume(config, run_path)
     except ckpt.NoValidCheckpoint as e:
@@ -263,8 +290,9 @@ def _check_before_training(config: Config, recipe: recipes.Recipe, datasets: dic
     return resume
 
 
-def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, run_id: str,
-         progress: ui.LiveProgress) -> ray.train.Result:
+def _fit(
+    config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, run_id: str, progress: ui.LiveProgress
+) -> ray.train.Result:
     ray_data = data.is_ray(datasets)
     sigint = signal.getsignal(signal.SIGINT)
     try:
@@ -291,7 +319,10 @@ def _fit(config: Config, recipe: recipes.Recipe, datasets: dict, batches: int, r
                         checkpoint_score_order=config.checkpoint.score_order,
                     ),
                     failure_config=FailureConfig(max_failures=config.run.max_failures),
-                    callbacks=[tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id, config.train.epochs), progress.relay],
+                    callbacks=[
+                        tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id, config.train.epochs),
+                        progress.relay,
+                    ],
                 ),
                 datasets=datasets if ray_data else None,
                 dataset_config=data.dataset_config(),
@@ -327,8 +358,9 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _register_best(config: Config, recipe: recipes.Recipe, checkpoints: list, run_id: str, example: dict,
-                   console: Console):
+def _register_best(
+    config: Config, recipe: recipes.Recipe, checkpoints: list, run_id: str, example: dict, console: Console
+):
     """Register the best of the run's (checkpoint, metrics) that verifies (saying which better ones
     were damaged). Returns where it is, its metrics, the registered version and the recipe's texts."""
     score, order = config.checkpoint.score_attribute, config.checkpoint.score_order

@@ -88,7 +88,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="raytrain-ddp-lease", daemon=True)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         _check(self.fs, self.path)
         self._write()
         _check(self.fs, self.path, me=self.me.owner)  # two drivers that both found the run free: the last write wins
@@ -145,4 +145,6 @@ def _read(fs: pyarrow.fs.FileSystem, path: str) -> Holder | None:
     except FileNotFoundError:
         return None
     except (ValueError, TypeError) as e:  # not ours, or from another version: say so rather than guess
-        raise RunBusy(f"{path} is not a lease this version can read ({e}); if no driver is training the run, delete it")
+        raise RunBusy(
+            f"{path} is not a lease this version can read ({e}); if no driver is training the run, delete it"
+        ) from None

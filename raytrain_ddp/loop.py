@@ -20,7 +20,8 @@ import math
 import random
 import tempfile
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import ray.train
@@ -82,7 +83,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 ray.train.report({**metrics, STOPPED: problem})
                 return False
             rng, meters = zip(*all_gather((ckpt.rng_state(), meter.state_dict() if batches else None)))
-            state = ckpt.TrainingState(epoch, step, updater.state_dict(), list(rng), batches, list(meters) if batches else [])
+            state = ckpt.TrainingState(
+                epoch, step, updater.state_dict(), list(rng), batches, list(meters) if batches else []
+            )
             name = ckpt.dir_name(epoch, step, batches)
             name = name if name not in retrained else f"{name}-retrained"
             blocked.update(_report(metrics, model, state, loop_config["config"], rank, name, config.checkpoint.upload))
@@ -109,7 +112,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                         return
                     ddp_model.train()
         if meter.batches != batches_per_epoch:  # the accumulation groups assume the count
-            raise RuntimeError(f"rank {rank} got {meter.batches} batches in epoch {epoch + 1}, expected {batches_per_epoch}")
+            raise RuntimeError(
+                f"rank {rank} got {meter.batches} batches in epoch {epoch + 1}, expected {batches_per_epoch}"
+            )
         if not report(epoch + 1, 0, meter):
             return
 
@@ -157,7 +162,9 @@ def _resume(model: torch.nn.Module, updater: Updater, world_size: int) -> tuple[
             logger.warning("skipping a damaged checkpoint: %s", skipped)
         chosen = all_gather(opened.name)
         if len(set(chosen)) != 1:
-            raise ckpt.CheckpointError(f"the ranks found different checkpoints valid ({chosen}): is the storage shared?")
+            raise ckpt.CheckpointError(
+                f"the ranks found different checkpoints valid ({chosen}): is the storage shared?"
+            )
         model.load_state_dict(opened.verified.model_state())
         state = opened.verified.training_state()
     if len(state.rng) != world_size:
@@ -169,8 +176,15 @@ def _resume(model: torch.nn.Module, updater: Updater, world_size: int) -> tuple[
     return state, {skipped.name for skipped in opened.skipped}
 
 
-def _report(metrics: dict[str, Any], model: torch.nn.Module, state: ckpt.TrainingState, config: dict, rank: int,
-            name: str, upload: str) -> dict[str, float]:
+def _report(
+    metrics: dict[str, Any],
+    model: torch.nn.Module,
+    state: ckpt.TrainingState,
+    config: dict,
+    rank: int,
+    name: str,
+    upload: str,
+) -> dict[str, float]:
     """Report with rank 0's checkpoint. Returns the seconds training was blocked, in all and waiting
     for the commit.
 
@@ -186,8 +200,13 @@ def _report(metrics: dict[str, Any], model: torch.nn.Module, state: ckpt.Trainin
         directory = tempfile.mkdtemp(prefix=f"raytrain_ddp-{name}-")
         ckpt.save(directory, model=model, state=state, config=config, metrics=metrics)
         checkpoint = ray.train.Checkpoint.from_directory(directory)
-    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_mode=mode,
-                     delete_local_checkpoint_after_upload=True)
+    ray.train.report(
+        metrics,
+        checkpoint=checkpoint,
+        checkpoint_dir_name=name,
+        checkpoint_upload_mode=mode,
+        delete_local_checkpoint_after_upload=True,
+    )
     reported = time.perf_counter()
     if mode == CheckpointUploadMode.SYNC:
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
@@ -219,9 +238,14 @@ def _stop_reason(metrics: dict[str, Any], score: str) -> str | None:
     score would be ranked best by Ray, which could then delete the real best checkpoint."""
     where = f"at step {metrics['step']} (epoch {metrics['epoch']:.4g})"
     if not math.isfinite(metrics["train_loss"]):
-        return f"training diverged: the training loss is {metrics['train_loss']} {where}; lower train.lr or set train.grad_clip_norm"
+        loss = metrics["train_loss"]
+        return f"training diverged: the training loss is {loss} {where}; lower train.lr or set train.grad_clip_norm"
     if score not in metrics:
-        return f"checkpoint.score_attribute {score!r} is missing from the report {where}; the recipe's evaluate returned no {score.removeprefix('val_')!r}"
+        missing = score.removeprefix("val_")
+        return (
+            f"checkpoint.score_attribute {score!r} is missing from the report {where}; "
+            f"the recipe's evaluate returned no {missing!r}"
+        )
     if not math.isfinite(metrics[score]):
         return f"the score {score} is {metrics[score]} {where}: a checkpoint cannot be ranked by it"
     return None

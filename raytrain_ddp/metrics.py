@@ -10,19 +10,34 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 # What every report carries besides the recipe's `val_<name>` metrics (and tokens, if it counts them).
 TRAIN_METRICS = (
-    "epoch", "step", "lr", "train_loss", "grad_norm",
-    "train_samples", "train_samples_per_worker", "train_batches",
-    "samples_per_s", "data_wait_s", "compute_s", "data_wait_fraction", "data_wait_fraction_per_worker", "peak_memory_mb",
-    "val_samples", "val_samples_per_worker", "epoch_time_s",
-    "checkpoint_s", "commit_wait_s",  # training blocked by the previous checkpoint: in all, and waiting for its commit
+    "epoch",
+    "step",
+    "lr",
+    "train_loss",
+    "grad_norm",
+    "train_samples",
+    "train_samples_per_worker",
+    "train_batches",
+    "samples_per_s",
+    "data_wait_s",
+    "compute_s",
+    "data_wait_fraction",
+    "data_wait_fraction_per_worker",
+    "peak_memory_mb",
+    "val_samples",
+    "val_samples_per_worker",
+    "epoch_time_s",
+    "checkpoint_s",
+    "commit_wait_s",  # training blocked by the previous checkpoint: in all, and waiting for its commit
 )
 TOKEN_METRICS = ("train_tokens", "tokens_per_s")
 STOPPED = "stopped"  # only in a report without a checkpoint: why the workers stop the run (see loop.py)
@@ -119,7 +134,8 @@ def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dic
         "samples_per_s": samples / max(busy, 1e-9),
         "data_wait_s": sum(p.data_wait_s for p in parts) / len(parts),
         "compute_s": sum(p.compute_s for p in parts) / len(parts),
-        "data_wait_fraction": sum(p.data_wait_s for p in parts) / max(sum(p.data_wait_s + p.compute_s for p in parts), 1e-9),
+        "data_wait_fraction": sum(p.data_wait_s for p in parts)
+        / max(sum(p.data_wait_s + p.compute_s for p in parts), 1e-9),
         "data_wait_fraction_per_worker": [p.data_wait_s / max(p.data_wait_s + p.compute_s, 1e-9) for p in parts],
         "peak_memory_mb": max(peak for _, peak in gathered),
     }

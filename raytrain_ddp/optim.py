@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -20,8 +21,14 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Updater:
-    def __init__(self, model: torch.nn.Module, ddp_model: torch.nn.Module, train: TrainSettings,
-                 micro_batches_per_epoch: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ddp_model: torch.nn.Module,
+        train: TrainSettings,
+        micro_batches_per_epoch: int,
+        device: torch.device,
+    ):
         self.train, self.device, self.ddp_model = train, device, ddp_model
         self.micro_batches = micro_batches_per_epoch
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -33,11 +40,11 @@ class Updater:
         # fp16 needs loss scaling against underflow; disabled, the scaler passes everything through.
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.precision == "fp16")
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         dtype = DTYPES[self.train.precision]
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
-    def sync(self, i: int) -> ContextManager:
+    def sync(self, i: int) -> AbstractContextManager:
         """Around forward and backward of micro-batch `i`: skip DDP's gradient all-reduce on all but the
         last micro-batch of a step (they only accumulate locally)."""
         if self.ready(i) or not hasattr(self.ddp_model, "no_sync"):

@@ -58,7 +58,8 @@ def check_lasting_paths(config: Config) -> list[str]:
     if temporary in config.run.storage_path:
         problems.append(
             f"run.storage_path: {config.run.storage_path} is in the job's temporary working directory, which Ray "
-            "deletes when the job ends; set run.storage_path to storage that outlasts it (s3://bucket/runs, a shared mount)"
+            "deletes when the job ends; set run.storage_path to storage that outlasts it (s3://bucket/runs, "
+            "a shared mount)"
         )
     if config.mlflow.tracking_uri.startswith("sqlite:") and temporary in config.mlflow.tracking_uri:
         problems.append(
@@ -80,8 +81,11 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     problems = []
     for key, amount in per_worker.items():
         if amount * s.num_workers > capacity.get(key, 0.0):
-            fix = "set scaling.use_gpu=false" if key == "GPU" and capacity.get("GPU", 0) == 0 else (
-                "lower scaling.num_workers or scaling.resources_per_worker")
+            fix = (
+                "set scaling.use_gpu=false"
+                if key == "GPU" and capacity.get("GPU", 0) == 0
+                else ("lower scaling.num_workers or scaling.resources_per_worker")
+            )
             problems.append(
                 f"scaling: {s.num_workers} workers × {key} {amount:g} need {key} {amount * s.num_workers:g}, "
                 f"the cluster has {capacity.get(key, 0.0):g} ({where}); {fix}"
@@ -91,13 +95,18 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
             f"scaling.resources_per_worker: no node can hold one worker's {_describe(per_worker)} "
             f"(nodes: {'; '.join(_describe(node) for node, _ in nodes)})"
         )
-    lazy = [name for name, ds in datasets.items() if isinstance(ds, ray.data.Dataset) and not isinstance(ds, MaterializedDataset)]
+    lazy = [
+        name
+        for name, ds in datasets.items()
+        if isinstance(ds, ray.data.Dataset) and not isinstance(ds, MaterializedDataset)
+    ]
     left = capacity.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * s.num_workers
     if not problems and lazy and left < 1:
         problems.append(
-            f"scaling.resources_per_worker: the workers take {capacity['CPU'] - left:g} of {capacity['CPU']:g} CPUs, and "
-            f"Ray Data needs one to run the pipeline of the unmaterialized dataset(s) {', '.join(lazy)}: without it "
-            f"training waits forever; lower resources_per_worker.CPU (e.g. {{CPU: 0.5}}), or materialize them"
+            f"scaling.resources_per_worker: the workers take {capacity['CPU'] - left:g} of {capacity['CPU']:g} CPUs, "
+            f"and Ray Data needs one to run the pipeline of the unmaterialized dataset(s) {', '.join(lazy)}: "
+            "without it training waits forever; lower resources_per_worker.CPU (e.g. {CPU: 0.5}), "
+            "or materialize them"
         )
     return problems
 
@@ -123,8 +132,10 @@ def _node_shapes(config) -> list[tuple[dict[str, float], int]]:
     counts where the cluster autoscales, else the nodes alive now."""
     if config is not None and config.node_group_configs:
         unlimited = 10**6
-        return [(dict(group.resources), unlimited if group.max_count < 0 else group.max_count)
-                for group in config.node_group_configs]
+        return [
+            (dict(group.resources), unlimited if group.max_count < 0 else group.max_count)
+            for group in config.node_group_configs
+        ]
     return [(node["Resources"], 1) for node in ray.nodes() if node["Alive"]]
 
 
@@ -140,5 +151,9 @@ def _autoscaler_config():
 
 
 def _describe(resources: dict[str, float]) -> str:
-    shown = {k: v for k, v in resources.items() if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))}
+    shown = {
+        k: v
+        for k, v in resources.items()
+        if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))
+    }
     return ", ".join(f"{k} {v:g}" for k, v in sorted(shown.items()) if v) or "nothing"

@@ -25,10 +25,11 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import ray.cloudpickle
 from pydantic import BaseModel, ConfigDict, create_model
@@ -107,10 +108,16 @@ def load(job: str) -> Recipe:
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise RecipeError(f"recipe {files.recipe} must define {', '.join(missing)} (see raytrain_ddp/recipe.py)")
-    not_callable = [name for name in OPTIONAL if getattr(module, name, None) is not None and not callable(getattr(module, name))]
+    not_callable = [
+        name for name in OPTIONAL if getattr(module, name, None) is not None and not callable(getattr(module, name))
+    ]
     if not_callable:
-        raise RecipeError(f"recipe {files.recipe}: {', '.join(not_callable)} must be a function (see raytrain_ddp/recipe.py)")
-    return Recipe(files.name, *(getattr(module, name) for name in REQUIRED), *(getattr(module, name, None) for name in OPTIONAL))
+        raise RecipeError(
+            f"recipe {files.recipe}: {', '.join(not_callable)} must be a function (see raytrain_ddp/recipe.py)"
+        )
+    return Recipe(
+        files.name, *(getattr(module, name) for name in REQUIRED), *(getattr(module, name, None) for name in OPTIONAL)
+    )
 
 
 def _import(files: JobFiles) -> ModuleType:

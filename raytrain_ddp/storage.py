@@ -61,7 +61,9 @@ def check_shared(storage_path: str) -> list[str]:
     problems = []
     try:
         failed = {who: error for who, error in on_every_node("write").items() if error}
-        problems += [f"run.storage_path: {where[who]} cannot write to {storage_path}: {error}" for who, error in failed.items()]
+        problems += [
+            f"run.storage_path: {where[who]} cannot write to {storage_path}: {error}" for who, error in failed.items()
+        ]
         if not failed:
             for who, seen in on_every_node("list").items():
                 if isinstance(seen, str):
@@ -87,7 +89,9 @@ def _probe_here(step: str, probe_dir: str, me: str) -> str | list[str]:
             with fs.open_output_stream(f"{directory}/{me}") as f:
                 f.write(b"probe")
         elif step == "list":
-            return [info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(directory, allow_not_found=True))]
+            return [
+                info.base_name for info in fs.get_file_info(pyarrow.fs.FileSelector(directory, allow_not_found=True))
+            ]
         else:
             fs.delete_file(f"{directory}/{me}")
             if not fs.get_file_info(pyarrow.fs.FileSelector(directory, allow_not_found=True)):

@@ -11,10 +11,11 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import mlflow
 import numpy as np
@@ -74,29 +75,43 @@ def check_server(tracking_uri: str, connect_timeout_s: float = 3.0, answer_timeo
 
     try:
         response = http_request(
-            get_default_host_creds(tracking_uri), "/api/2.0/mlflow/experiments/search", "GET",
-            params={"max_results": 1}, max_retries=0, timeout=(connect_timeout_s, answer_timeout_s), raise_on_status=False,
+            get_default_host_creds(tracking_uri),
+            "/api/2.0/mlflow/experiments/search",
+            "GET",
+            params={"max_results": 1},
+            max_retries=0,
+            timeout=(connect_timeout_s, answer_timeout_s),
+            raise_on_status=False,
         )
     except MlflowException as e:
-        return (f"mlflow.tracking_uri: the MLflow tracking server {tracking_uri} is unreachable "
-                f"({_network_reason(e.__cause__ or e.__context__, connect_timeout_s, answer_timeout_s)}); start it, "
-                "or point mlflow.tracking_uri (or MLFLOW_TRACKING_URI) at one that runs")
+        return (
+            f"mlflow.tracking_uri: the MLflow tracking server {tracking_uri} is unreachable "
+            f"({_network_reason(e.__cause__ or e.__context__, connect_timeout_s, answer_timeout_s)}); start it, "
+            "or point mlflow.tracking_uri (or MLFLOW_TRACKING_URI) at one that runs"
+        )
     if response.status_code in (401, 403):
-        return (f"mlflow.tracking_uri: the MLflow tracking server {tracking_uri} refused the credentials "
-                f"(HTTP {response.status_code}); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
-                "(or MLFLOW_TRACKING_TOKEN) in the environment")
+        return (
+            f"mlflow.tracking_uri: the MLflow tracking server {tracking_uri} refused the credentials "
+            f"(HTTP {response.status_code}); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+            "(or MLFLOW_TRACKING_TOKEN) in the environment"
+        )
     if response.status_code != 200:
-        return (f"mlflow.tracking_uri: {tracking_uri} does not answer like an MLflow tracking server "
-                f"(HTTP {response.status_code} for its experiments API)")
+        return (
+            f"mlflow.tracking_uri: {tracking_uri} does not answer like an MLflow tracking server "
+            f"(HTTP {response.status_code} for its experiments API)"
+        )
     return None
 
 
 def _network_reason(error: BaseException | None, connect_timeout_s: float, answer_timeout_s: float) -> str:
     text = str(error)
-    for marker, reason in (("Connection refused", "connection refused"),
-                           ("connect timeout", f"no connection within {connect_timeout_s:g} s"),
-                           ("Read timed out", f"connected, but no answer within {answer_timeout_s:g} s"),
-                           ("Name or service not known", "unknown host"), ("Failed to resolve", "unknown host")):
+    for marker, reason in (
+        ("Connection refused", "connection refused"),
+        ("connect timeout", f"no connection within {connect_timeout_s:g} s"),
+        ("Read timed out", f"connected, but no answer within {answer_timeout_s:g} s"),
+        ("Name or service not known", "unknown host"),
+        ("Failed to resolve", "unknown host"),
+    ):
         if marker in text:
             return reason
     return type(error).__name__

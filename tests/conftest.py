@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 
-
 @dataclass(frozen=True)
 class Workspace:
     """Where a test's runs write: its own storage path and its own sqlite MLflow store."""

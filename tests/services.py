@@ -18,9 +18,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -36,8 +36,9 @@ def user_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """`raytrain-ddp ARGS` in a fresh process, as a user runs it."""
-    return subprocess.run([str(BIN / "raytrain-ddp"), *args], cwd=cwd, env=user_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "raytrain-ddp"), *args], cwd=cwd, env=user_env(env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def wait_until(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -56,8 +57,9 @@ def answers(url: str) -> bool:
         return False
 
 
-def serve(command: list, log: Path, ready_url: str, env: dict[str, str] | None = None,
-          timeout_s: float = 120) -> subprocess.Popen:
+def serve(
+    command: list, log: Path, ready_url: str, env: dict[str, str] | None = None, timeout_s: float = 120
+) -> subprocess.Popen:
     """Start a server in its own process group, its output in `log`, and wait until `ready_url`
     answers; a server that exits first fails at once, with the end of its log."""
     with log.open("a") as out:
@@ -103,9 +105,11 @@ def wait_for_port(host: str, port: int, timeout_s: float = 30, process: subproce
                 return
         except OSError:
             if process is not None and process.poll() is not None:
-                raise RuntimeError(f"{process.args[0]} exited with {process.returncode} before listening on {host}:{port}")
+                raise RuntimeError(
+                    f"{process.args[0]} exited with {process.returncode} before listening on {host}:{port}"
+                ) from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:g} s")
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:g} s") from None
             time.sleep(0.1)
 
 
@@ -122,7 +126,11 @@ def kill_tree(pid: int, timeout_s: float = 3) -> list[int]:
 def processes_with(needle: str) -> list[psutil.Process]:
     """The processes whose command line contains `needle`, never the calling process or its ancestors."""
     spared = _self_and_ancestors()
-    return [p for p in psutil.process_iter(["cmdline"]) if p.pid not in spared and needle in " ".join(p.info["cmdline"] or ())]
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if p.pid not in spared and needle in " ".join(p.info["cmdline"] or ())
+    ]
 
 
 def kill_processes_with(needle: str, timeout_s: float = 3) -> list[int]:
@@ -194,16 +202,23 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def start(self) -> "S3Server":
-        self.process = serve([BIN / "moto_server", "-H", "127.0.0.1", "-p", str(self.port)], self.root / "moto.log", self.endpoint)
+    def start(self) -> S3Server:
+        self.process = serve(
+            [BIN / "moto_server", "-H", "127.0.0.1", "-p", str(self.port)], self.root / "moto.log", self.endpoint
+        )
         self.client().create_bucket(Bucket=self.bucket)
         return self
 
     def client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
 
     def keys(self, prefix: str) -> list[str]:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
@@ -237,12 +252,21 @@ class MLflowServer:
         """MLflow's standard environment variables for a client of this server."""
         return {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": self.password} if self.auth else {}
 
-    def start(self) -> "MLflowServer":
+    def start(self) -> MLflowServer:
         env = {**os.environ, **self.env}
         command = [
-            BIN / "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-            "--artifacts-destination", self.artifacts or str(self.root / "artifacts"),
+            BIN / "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            self.artifacts or str(self.root / "artifacts"),
         ]
         if self.auth:
             config = self.root / "auth.ini"
@@ -308,25 +332,37 @@ class LoopbackCluster:
         env = {k: v for k, v in self.env.items() if k != "RAY_ADDRESS"}
         return env | {"RAY_TMPDIR": str(temp), "TMPDIR": str(temp)}
 
-    def start(self) -> "LoopbackCluster":
+    def start(self) -> LoopbackCluster:
         (self.root / "token").write_text(secrets.token_hex(32))
         self.node_local.mkdir(exist_ok=True)
         common = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats"]
         head = [
-            str(BIN / "ray"), "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={self.root / 'head'}", *common,
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--temp-dir={self.root / 'head'}",
+            *common,
         ]
         self._run(head, self._node_env("head"))
         worker = [
-            str(BIN / "ray"), "start", f"--address=127.0.0.1:{self.gcs_port}", f"--temp-dir={self.root / 'worker'}",
-            f"--dashboard-agent-listen-port={free_port()}", *common,
+            str(BIN / "ray"),
+            "start",
+            f"--address=127.0.0.1:{self.gcs_port}",
+            f"--temp-dir={self.root / 'worker'}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            *common,
         ]
         # The worker node's own view of node_local, where the machine allows a mount namespace (root):
         # a tmpfs the head never sees.
         unshare = ["unshare", "--mount", "--propagation", "private"]
-        self.node_local_isolated = bool(shutil.which("unshare")) and subprocess.run(
-            [*unshare, "true"], capture_output=True).returncode == 0
+        self.node_local_isolated = (
+            bool(shutil.which("unshare")) and subprocess.run([*unshare, "true"], capture_output=True).returncode == 0
+        )
         if self.node_local_isolated:
             worker = [*unshare, "sh", "-c", f"mount -t tmpfs tmpfs {self.node_local} && exec {' '.join(worker)}"]
         self._run(worker, self._node_env("worker"))
@@ -339,8 +375,15 @@ class LoopbackCluster:
 
     def ray(self, *args: str, check: bool = True, timeout: int = 120) -> subprocess.CompletedProcess:
         """The ray CLI, as a user of this cluster runs it."""
-        return subprocess.run([str(BIN / "ray"), *args], env=self.env, capture_output=True, text=True,
-                              check=check, timeout=timeout, cwd=REPO)
+        return subprocess.run(
+            [str(BIN / "ray"), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+            cwd=REPO,
+        )
 
     def stop(self) -> None:
         for name in ("worker", "head"):

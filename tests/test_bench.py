@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from services import REPO, user_env
 
 from raytrain_ddp import checkpoint as ckpt
-from services import REPO, user_env
 
 SIDES = ["A", "B-cold", "B", "B-async", "B'"]
 
@@ -21,8 +21,23 @@ SIDES = ["A", "B-cold", "B", "B-async", "B'"]
 def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path):
     tiny = ["dataset.rows=2048", "dataset.val_rows=512", "dataset.block_rows=256", "train.epochs=2"]
     result = subprocess.run(
-        [sys.executable, "bench/harness.py", "--rounds", "1", "--no-warmup", "--out", str(tmp_path), "--name", "smoke", *tiny],
-        cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "bench/harness.py",
+            "--rounds",
+            "1",
+            "--no-warmup",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "smoke",
+            *tiny,
+        ],
+        cwd=REPO,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

@@ -15,7 +15,6 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import TrainSettings
 from raytrain_ddp.optim import Updater
 
-
 # fp16 turns the grad scaler on, so its state is part of the round trip (CPU scaler: test only; the
 # service allows fp16 on GPUs).
 TRAIN = TrainSettings(lr=0.1, lr_schedule="cosine", warmup_steps=2, epochs=2, precision="fp16")
@@ -41,7 +40,9 @@ def _trained_parts():
 def saved(tmp_path):
     model, updater = _trained_parts()
     state = ckpt.TrainingState(2, 3, updater.state_dict(), [ckpt.rng_state()] * 2)
-    ckpt.save(tmp_path, model=model, state=state, config={"job": "x", "train": {"epochs": 4}}, metrics={"val_loss": 0.5})
+    ckpt.save(
+        tmp_path, model=model, state=state, config={"job": "x", "train": {"epochs": 4}}, metrics={"val_loss": 0.5}
+    )
     return tmp_path, model, updater
 
 
@@ -83,7 +84,10 @@ def test_rng_state_round_trip_reproduces_every_generator():
 @pytest.mark.parametrize(
     ("damage", "says"),
     [
-        (lambda d: (d / ckpt.MODEL_FILE).write_bytes((d / ckpt.MODEL_FILE).read_bytes()[:-10]), "model.pt is truncated"),
+        (
+            lambda d: (d / ckpt.MODEL_FILE).write_bytes((d / ckpt.MODEL_FILE).read_bytes()[:-10]),
+            "model.pt is truncated",
+        ),
         (lambda d: _flip_a_byte(d / ckpt.STATE_FILE), "train_state.pt does not match its checksum"),
         (lambda d: (d / ckpt.CONFIG_FILE).unlink(), "config.json is missing"),
         (lambda d: (d / ckpt.MANIFEST_FILE).unlink(), "never completed"),
@@ -130,12 +134,18 @@ def test_checkpoint_names_say_where_training_stood():
 
 def test_the_newest_checkpoint_that_verifies_is_opened_and_the_damaged_ones_are_named(tmp_path):
     newest_first = ckpt.newest_first(_run_of_three(tmp_path))
-    assert [Path(c.path).name for c in newest_first] == ["epoch_0002-step_0000008", "epoch_0001", "epoch_0001-step_0000004"]
+    assert [Path(c.path).name for c in newest_first] == [
+        "epoch_0002-step_0000008",
+        "epoch_0001",
+        "epoch_0001-step_0000004",
+    ]
     (tmp_path / "epoch_0002-step_0000008" / ckpt.MANIFEST_FILE).unlink()
 
     with ckpt.open_first_verified(newest_first) as opened:
         assert opened.name == "epoch_0001" and opened.verified.training_state().step == 6
-        assert [str(s) for s in opened.skipped] == ["epoch_0002-step_0000008: no manifest.json: the checkpoint was never completed"]
+        assert [str(s) for s in opened.skipped] == [
+            "epoch_0002-step_0000008: no manifest.json: the checkpoint was never completed"
+        ]
 
 
 def test_a_run_whose_every_checkpoint_is_damaged_names_each_and_why(tmp_path):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from services import cli as raytrain_ddp, user_env
+from services import cli as raytrain_ddp
+from services import user_env
 
 CLI = str(Path(sys.executable).parent / "raytrain-ddp")
 TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
@@ -81,11 +81,26 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
 
     passes = tmp_path / "passes"  # tiny.py logs each training pass, per rank (no faults injected)
     passes.mkdir()
-    command = [CLI, "train", TINY, "dataset.rows=2048", "train.epochs=40", "run.name=shared", f"model.fault_log={passes}"]
+    command = [
+        CLI,
+        "train",
+        TINY,
+        "dataset.rows=2048",
+        "train.epochs=40",
+        "run.name=shared",
+        f"model.fault_log={passes}",
+    ]
     env = user_env()
 
-    a = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    a = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     _read_until(a, r"^epoch +2/40 ")
 
     started = time.monotonic()
@@ -121,8 +136,17 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
     [stopped] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert stopped.info.status == "KILLED" and client.search_registered_models() == []
     resume = re.search(r"^resume: (.+)$", err, re.M).group(1)
-    assert resume == shlex.join(["raytrain-ddp", "train", TINY, "run.name=shared", f"model.fault_log={passes}",
-                                 "dataset.rows=2048", "train.epochs=40"])  # what differs from the job's YAML
+    assert resume == shlex.join(
+        [
+            "raytrain-ddp",
+            "train",
+            TINY,
+            "run.name=shared",
+            f"model.fault_log={passes}",
+            "dataset.rows=2048",
+            "train.epochs=40",
+        ]
+    )  # what differs from the job's YAML
 
     d = raytrain_ddp(*shlex.split(resume)[1:], cwd=tmp_path)
     assert d.returncode == 0, d.stderr[-3000:]
@@ -133,10 +157,15 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
     assert not (tmp_path / "runs" / "shared" / "driver.json").exists()  # let go at the end
     wasted = a_steps - int(resumed.group(2))
     assert 0 <= wasted <= 128  # at most the epoch A was in when it died
-    record("driver process group SIGKILLed, same command again (then Ctrl-C, then the printed command)",
-           attempts="3 drivers", resumed=f"{resumed.group(1)} (step {resumed.group(2)})", wasted=wasted,
-           checkpoints=len([p for p in (tmp_path / "runs" / "shared").iterdir() if p.is_dir()]), versions=1,
-           note=f"second driver refused in {refused_in:.1f} s")
+    record(
+        "driver process group SIGKILLed, same command again (then Ctrl-C, then the printed command)",
+        attempts="3 drivers",
+        resumed=f"{resumed.group(1)} (step {resumed.group(2)})",
+        wasted=wasted,
+        checkpoints=len([p for p in (tmp_path / "runs" / "shared").iterdir() if p.is_dir()]),
+        versions=1,
+        note=f"second driver refused in {refused_in:.1f} s",
+    )
 
 
 def _read_until(process: subprocess.Popen, pattern: str) -> re.Match:

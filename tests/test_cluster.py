@@ -14,10 +14,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from services import LoopbackCluster, MLflowServer
 
 from raytrain_ddp import checkpoint
 from raytrain_ddp.tracking import CHECKPOINT_TAG
-from services import LoopbackCluster, MLflowServer
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,18 @@ def submit(cluster: LoopbackCluster, *train_args: str) -> tuple[str, str]:
     """The README's command; returns the submission id and the job's logs."""
     job_id = f"tiny-{secrets.token_hex(3)}"
     cluster.ray(
-        "job", "submit", f"--submission-id={job_id}", "--working-dir", ".", "--",
-        "raytrain-ddp", "train", "tests/jobs/tiny.py", *train_args, check=False, timeout=600,
+        "job",
+        "submit",
+        f"--submission-id={job_id}",
+        "--working-dir",
+        ".",
+        "--",
+        "raytrain-ddp",
+        "train",
+        "tests/jobs/tiny.py",
+        *train_args,
+        check=False,
+        timeout=600,
     )
     return job_id, cluster.ray("job", "logs", job_id).stdout
 
@@ -77,7 +87,9 @@ def test_job_submit_trains_on_both_nodes_and_registers(cluster, mlflow_server, t
     head = next(node["node_id"] for node in cluster.nodes() if node["is_head_node"])
     actors = json.loads(cluster.ray("list", "actors", "--detail", "--format=json", "--limit=1000").stdout)
     workers = {a["node_id"] for a in actors if a["class_name"] == "RayTrainWorker" and a["job_id"] == info["job_id"]}
-    controllers = {a["node_id"] for a in actors if a["class_name"] == "TrainController" and a["job_id"] == info["job_id"]}
+    controllers = {
+        a["node_id"] for a in actors if a["class_name"] == "TrainController" and a["job_id"] == info["job_id"]
+    }
     assert workers == {node["node_id"] for node in cluster.nodes()}  # one worker on each node
     assert info["driver_node_id"] == head and controllers == {head}
     assert not info.get("entrypoint_num_cpus") and not info.get("entrypoint_resources")  # off worker resources
@@ -116,5 +128,7 @@ def test_the_defaults_inside_the_jobs_temporary_directory_are_refused(cluster):
     job_id, logs = submit(cluster)
 
     assert job_info(cluster, job_id)["status"] == "FAILED"
-    assert re.search(r"run.storage_path: \S+/runtime_resources/\S+/runs is in the job's temporary working directory", logs)
+    assert re.search(
+        r"run.storage_path: \S+/runtime_resources/\S+/runs is in the job's temporary working directory", logs
+    )
     assert "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to a tracking server" in logs

@@ -49,7 +49,9 @@ def test_config_passes_rays_schema_and_defaults(name):
 
     assert config["cluster_name"] and config["head_node_type"] in config["available_node_types"]
     for remote, local in load(name)["file_mounts"].items():  # every file it ships exists
-        assert local.startswith("~") or (ROOT / local).exists(), f"file_mounts: {remote}: {local} is not in the repository"
+        assert local.startswith("~") or (ROOT / local).exists(), (
+            f"file_mounts: {remote}: {local} is not in the repository"
+        )
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -82,8 +84,10 @@ def test_aws_node_configs_are_valid_ec2_launch_arguments():
 
     ebs = misspell(config, "available_node_types", "gpu", "node_config", "BlockDeviceMappings")
     with pytest.raises(ParamValidationError, match='Unknown parameter in input: "BlockDeviceMapping"'):
-        validate_parameters({**ebs["available_node_types"]["gpu"]["node_config"], "MinCount": 1, "MaxCount": 1},
-                            run_instances.input_shape)
+        validate_parameters(
+            {**ebs["available_node_types"]["gpu"]["node_config"], "MinCount": 1, "MaxCount": 1},
+            run_instances.input_shape,
+        )
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -42,7 +42,13 @@ def _initial_weights(seed: int = 0, **model) -> dict[str, torch.Tensor]:
 
 # 16 rows, no shuffle, 3 epochs: each epoch is exactly one optimizer step over all 16 rows, however
 # they are divided among workers and micro-batches.
-ONE_STEP_AN_EPOCH = ("dataset.rows=16", "train.shuffle=false", "train.epochs=3", "train.lr=0.05", "checkpoint.num_to_keep=null")
+ONE_STEP_AN_EPOCH = (
+    "dataset.rows=16",
+    "train.shuffle=false",
+    "train.epochs=3",
+    "train.lr=0.05",
+    "checkpoint.num_to_keep=null",
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +118,9 @@ def _probe(loop_config: dict) -> None:
         return allreduce_hook(None, bucket)
 
     ddp.register_comm_hook(None, counting_hook)
-    updater = Updater(model, ddp, TrainSettings(grad_accum_steps=4), micro_batches_per_epoch=8, device=torch.device("cpu"))
+    updater = Updater(
+        model, ddp, TrainSettings(grad_accum_steps=4), micro_batches_per_epoch=8, device=torch.device("cpu")
+    )
     steps = 0
     for i in range(8):
         with updater.sync(i), updater.autocast():
@@ -223,7 +231,10 @@ def test_ray_data_fetches_are_cut_into_the_configured_batches_in_order():
     from raytrain_ddp.data import split_batches
 
     rows = torch.arange(13)
-    fetched = [{"x": rows[:8], "y": -rows[:8]}, {"x": rows[8:], "y": -rows[8:]}]  # a fetch of 2 batches, then the short last
+    fetched = [
+        {"x": rows[:8], "y": -rows[:8]},
+        {"x": rows[8:], "y": -rows[8:]},
+    ]  # a fetch of 2 batches, then the short last
     kept = list(split_batches(iter(fetched), 4, drop_last=False))
     assert [b["x"].tolist() for b in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12]]
     assert all(torch.equal(b["y"], -b["x"]) for b in kept)  # columns cut alike

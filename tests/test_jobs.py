@@ -38,7 +38,9 @@ def test_a_dataset_path_without_the_data_is_refused_before_anything_is_written(r
         "fashion_mnist": (f"dataset.path={tmp_path}", r"no train-images-idx3-ubyte .*set dataset.download=true"),
     }
     for job, (override, message) in cases.items():
-        with pytest.raises(ConfigError, match=rf"recipe {job}: build_datasets failed: FileNotFoundError: dataset.path=.*{message}"):
+        with pytest.raises(
+            ConfigError, match=rf"recipe {job}: build_datasets failed: FileNotFoundError: dataset.path=.*{message}"
+        ):
             run(load_config(job, overrides=workspace.overrides(override)))
     assert not workspace.storage.exists() and not (workspace.root / "mlflow.db").exists()
 

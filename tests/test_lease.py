@@ -17,8 +17,14 @@ from raytrain_ddp import lease
 def _write_holder(run_dir, *, pid: int, renewed_ago_s: float = 0.0, host: str | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    holder = {"owner": "someone-else", "host": host or socket.gethostname(), "pid": pid,
-              "command": "raytrain-ddp train digits run.name=x", "started": now - 100, "renewed": now - renewed_ago_s}
+    holder = {
+        "owner": "someone-else",
+        "host": host or socket.gethostname(),
+        "pid": pid,
+        "command": "raytrain-ddp train digits run.name=x",
+        "started": now - 100,
+        "renewed": now - renewed_ago_s,
+    }
     (run_dir / lease.LEASE_FILE).write_text(json.dumps(holder))
 
 

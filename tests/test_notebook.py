@@ -42,7 +42,9 @@ def test_the_quickstart_notebook_trains_plots_registers_and_predicts(tmp_path, t
 
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # Not in the notebook: which interpreter ran it, and whether its last cell stopped Ray.
-    notebook.cells.append(nbformat.v4.new_code_cell("import sys\nprint(sys.executable, ray.is_initialized())", id="probe"))
+    notebook.cells.append(
+        nbformat.v4.new_code_cell("import sys\nprint(sys.executable, ray.is_initialized())", id="probe")
+    )
     client = NotebookClient(
         notebook,
         km=_kernel_of_this_interpreter(tmp_path_factory.mktemp("kernelspec")),
@@ -71,7 +73,9 @@ def test_the_quickstart_notebook_trains_plots_registers_and_predicts(tmp_path, t
     epochs = mlflow.get_metric_history(version.run_id, "epoch")
     assert [m.value for m in epochs] == [1.0, 2.0]
 
-    predicted = re.fullmatch(r"(\d+) validation rows: accuracy ([\d.]+) \(training reported ([\d.]+)\)\n", _stdout(cells["predict"]))
+    predicted = re.fullmatch(
+        r"(\d+) validation rows: accuracy ([\d.]+) \(training reported ([\d.]+)\)\n", _stdout(cells["predict"])
+    )
     assert predicted, _stdout(cells["predict"])
     rows, accuracy, reported = int(predicted[1]), float(predicted[2]), float(predicted[3])
     assert rows == 360 and accuracy >= 0.9
@@ -87,7 +91,9 @@ def _kernel_of_this_interpreter(prefix: Path):
     from jupyter_client.manager import AsyncKernelManager
 
     spec = Path(install(kernel_name="raytrain-ddp-test", prefix=str(prefix)))
-    return AsyncKernelManager(kernel_name=spec.name, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
+    return AsyncKernelManager(
+        kernel_name=spec.name, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)])
+    )
 
 
 def _stdout(cell) -> str:

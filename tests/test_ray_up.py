@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -38,13 +39,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from services import free_port, kill_processes_with, kill_tree, processes_with, wait_for_port
 
 ROOT = Path(__file__).parent.parent
 VENV_BIN = Path(sys.executable).parent  # the venv running the tests is the one the hosts run
 HEAD, WORKER = "127.0.0.1", "127.0.0.2"
 SSHD = Path("/usr/sbin/sshd")
+# What a host's `ray stop` runs: it ends only the processes of that host's Ray, found by its temp dir.
+STOP_HOST = (
+    "import sys; sys.path.insert(0, sys.argv[1]); import services; "
+    'print("stopped", len(services.kill_processes_with(sys.argv[2])), "processes")'
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,15 @@ class RayUpCluster:
     def ray(self, *args: str, log: Path, timeout: float = 300) -> subprocess.CompletedProcess:
         """The ray CLI as the launcher runs it, from the repository root; its output goes to `log`."""
         with log.open("w") as out:
-            return subprocess.run([str(VENV_BIN / "ray"), *args], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
-                                  stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+            return subprocess.run(
+                [str(VENV_BIN / "ray"), *args],
+                cwd=ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
 
     def api(self, path: str):
         """GET from the dashboard's REST API, with the cluster's token."""
@@ -79,7 +91,9 @@ class RayUpCluster:
 def loopback_cluster(tmp_path) -> RayUpCluster:
     """sshd on 127.0.0.1 and 127.0.0.2 and the config for `ray up`; afterwards, every process the cluster
     left is ended by PID, and the hosts' Ray logs are kept in tmp_path/ray-logs, sshd's in tmp_path/sshd.log."""
-    missing = [name for name, there in [("openssh-server", SSHD.exists()), ("rsync", shutil.which("rsync"))] if not there]
+    missing = [
+        name for name, there in [("openssh-server", SSHD.exists()), ("rsync", shutil.which("rsync"))] if not there
+    ]
     if missing:
         message = f"CI must have openssh-server and rsync: run tests/system-deps.sh (missing: {', '.join(missing)})"
         if os.environ.get("CI"):
@@ -98,21 +112,32 @@ def loopback_cluster(tmp_path) -> RayUpCluster:
         (root / "token").write_text(token)
         bin_dir = root / "bin"
         _write_wrappers(bin_dir, ssh_port)
-        for host, home in homes.items():
+        for home in homes.values():
             _write_home(home, bin_dir)
         sshd = _start_sshd(root / "sshd", ssh_port, key.with_suffix(".pub"), homes)
 
         launcher = root / "launcher"  # `ray up`'s own HOME and temp dir: its config cache and cluster state stay here
         (launcher / "tmp").mkdir(parents=True)
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-        env.update(PATH=f"{bin_dir}:{VENV_BIN}:{env['PATH']}", HOME=str(launcher), RAY_TMPDIR=str(launcher / "tmp"),
-                   TMPDIR=str(launcher / "tmp"), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(root / "token"),
-                   RAY_USAGE_STATS_ENABLED="0")
+        env.update(
+            PATH=f"{bin_dir}:{VENV_BIN}:{env['PATH']}",
+            HOME=str(launcher),
+            RAY_TMPDIR=str(launcher / "tmp"),
+            TMPDIR=str(launcher / "tmp"),
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=str(root / "token"),
+            RAY_USAGE_STATS_ENABLED="0",
+        )
         ports = {name: free_port() for name in ("gcs", "dashboard", "head_agent", "client", "worker_agent")}
         config = root / "cluster.yaml"
         config.write_text(yaml.safe_dump(_config(cluster_name, key, root / "token", ports)))
-        yield RayUpCluster(config, env, f"http://{HEAD}:{ports['dashboard']}", token,
-                              {host: home / "tmp" for host, home in homes.items()})
+        yield RayUpCluster(
+            config,
+            env,
+            f"http://{HEAD}:{ports['dashboard']}",
+            token,
+            {host: home / "tmp" for host, home in homes.items()},
+        )
     finally:
         _close_ssh_masters(cluster_name)
         if sshd is not None:
@@ -154,14 +179,29 @@ def test_ray_up_submit_train_and_ray_down(loopback_cluster, tmp_path):
     started = time.monotonic()
     job_id = f"tiny-{uuid.uuid4().hex[:8]}"
     cluster.ray(
-        "job", "submit", "--address", cluster.dashboard, "--submission-id", job_id, "--working-dir", str(ROOT), "--",
-        "raytrain-ddp", "train", "tests/jobs/tiny.py", "train.epochs=1", "run.name=on-cluster",
-        f"run.storage_path={tmp_path / 'runs'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "job",
+        "submit",
+        "--address",
+        cluster.dashboard,
+        "--submission-id",
+        job_id,
+        "--working-dir",
+        str(ROOT),
+        "--",
+        "raytrain-ddp",
+        "train",
+        "tests/jobs/tiny.py",
+        "train.epochs=1",
+        "run.name=on-cluster",
+        f"run.storage_path={tmp_path / 'runs'}",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
         log=tmp_path / "job.log",
     )
     took["job"] = time.monotonic() - started
     assert cluster.api(f"/api/jobs/{job_id}")["status"] == "SUCCEEDED", _tail(tmp_path / "job.log")
-    assert "on-cluster finished: 1 epoch in" in (tmp_path / "job.log").read_text()  # the driver's summary, from the job's logs
+    assert (
+        "on-cluster finished: 1 epoch in" in (tmp_path / "job.log").read_text()
+    )  # the driver's summary, from the job's logs
 
     [worker_node] = [node for node in cluster.alive_nodes() if not node["is_head_node"]]
     actors = cluster.api("/api/v0/actors?limit=1000&detail=true")["data"]["result"]["result"]
@@ -194,8 +234,14 @@ def _config(cluster_name: str, key: Path, token: Path, ports: dict[str, int]) ->
     config["setup_commands"] = []  # see the module docstring
     head_flags = f" --dashboard-agent-listen-port={ports['head_agent']} --ray-client-server-port={ports['client']}"
     config["head_start_ray_commands"] = [
-        _replace(_replace(c, "--port=6379", f"--port={ports['gcs']}"), "--dashboard-port=8265",
-                 f"--dashboard-port={ports['dashboard']}") + head_flags if "ray start" in c else c
+        _replace(
+            _replace(c, "--port=6379", f"--port={ports['gcs']}"),
+            "--dashboard-port=8265",
+            f"--dashboard-port={ports['dashboard']}",
+        )
+        + head_flags
+        if "ray start" in c
+        else c
         for c in config["head_start_ray_commands"]
     ]
     # Two nodes on one machine need what separate hosts have anyway. Their own temp dir: a worker node takes
@@ -203,7 +249,9 @@ def _config(cluster_name: str, key: Path, token: Path, ports: dict[str, int]) ->
     # directory under the driver on the head. Their own address: Ray turns 127.0.0.1 into the machine's
     # routable one, and the head's autoscaler, which knows the worker host as 127.0.0.2, would hear no
     # heartbeat from it and restart its Ray every 30 s.
-    worker_flags = f" --dashboard-agent-listen-port={ports['worker_agent']} --temp-dir=$RAY_TMPDIR/ray --node-ip-address={WORKER}"
+    worker_flags = (
+        f" --dashboard-agent-listen-port={ports['worker_agent']} --temp-dir=$RAY_TMPDIR/ray --node-ip-address={WORKER}"
+    )
     config["worker_start_ray_commands"] = [
         _replace(c, "$RAY_HEAD_IP:6379", f"$RAY_HEAD_IP:{ports['gcs']}") + worker_flags if "ray start" in c else c
         for c in config["worker_start_ray_commands"]
@@ -238,7 +286,7 @@ exec {shutil.which("ssh")} -p {ssh_port} "${{args[@]}}"
     # every Ray process of this user on the machine.
     (bin_dir / "ray").write_text(f"""#!/usr/bin/env bash
 if [ "${{1:-}}" = stop ]; then
-  exec {sys.executable} -c 'import sys; sys.path.insert(0, sys.argv[1]); import services; print("stopped", len(services.kill_processes_with(sys.argv[2])), "processes")' \\
+  exec {sys.executable} -c {shlex.quote(STOP_HOST)} \\
     {Path(__file__).parent} "${{RAY_TMPDIR:?}}/"
 fi
 exec {VENV_BIN / "ray"} "$@"
@@ -267,8 +315,7 @@ def _start_sshd(directory: Path, port: int, authorized_key: Path, homes: dict[st
     shutil.copy(authorized_key, directory / "authorized_keys")
     matches = "".join(f"Match LocalAddress {host}\n    SetEnv HOME={home}\n" for host, home in homes.items())
     (directory / "sshd_config").write_text(
-        f"Port {port}\n" + "".join(f"ListenAddress {host}\n" for host in homes) +
-        f"HostKey {directory / 'host_key'}\n"
+        f"Port {port}\n" + "".join(f"ListenAddress {host}\n" for host in homes) + f"HostKey {directory / 'host_key'}\n"
         f"AuthorizedKeysFile {directory / 'authorized_keys'}\n"
         f"AllowUsers {getpass.getuser()}\n"
         "PidFile none\nUsePAM no\nStrictModes no\nPermitRootLogin prohibit-password\n"
@@ -285,9 +332,12 @@ def _close_ssh_masters(cluster_name: str) -> None:
     """Ray's SSH control masters (the launcher's and the head autoscaler's) outlive `ray down`."""
     from ray.autoscaler._private.command_runner import HASH_MAX_LENGTH
 
-    user, cluster = (hashlib.sha256(s.encode()).hexdigest()[:HASH_MAX_LENGTH] for s in (getpass.getuser(), cluster_name))
+    user, cluster = (
+        hashlib.sha256(s.encode()).hexdigest()[:HASH_MAX_LENGTH] for s in (getpass.getuser(), cluster_name)
+    )
     control_dir = Path(f"/tmp/ray_ssh_{user}/{cluster}")
     for control in control_dir.glob("*"):
-        subprocess.run(["ssh", "-o", f"ControlPath={control}", "-O", "exit", "loopback"], capture_output=True, timeout=10)
+        subprocess.run(
+            ["ssh", "-o", f"ControlPath={control}", "-O", "exit", "loopback"], capture_output=True, timeout=10
+        )
     shutil.rmtree(control_dir, ignore_errors=True)
-

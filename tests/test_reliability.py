@@ -94,11 +94,19 @@ def test_the_uninterrupted_run_checkpoints_every_4_steps_and_at_each_epoch_end(s
     run_dir = Path(straight.run_path)
     assert _checkpoints(run_dir) == {
         name: "verified"
-        for name in ("epoch_0001", "epoch_0001-step_0000004", "epoch_0002", "epoch_0002-step_0000008",
-                     "epoch_0003", "epoch_0003-step_0000016")
+        for name in (
+            "epoch_0001",
+            "epoch_0001-step_0000004",
+            "epoch_0002",
+            "epoch_0002-step_0000008",
+            "epoch_0003",
+            "epoch_0003-step_0000016",
+        )
     }
     assert straight.attempts == 1 and straight.failures == []
-    assert straight.final_metrics["train_loss"] < 0.5 * ckpt.open_verified(run_dir / "epoch_0001").metrics()["train_loss"]
+    assert (
+        straight.final_metrics["train_loss"] < 0.5 * ckpt.open_verified(run_dir / "epoch_0001").metrics()["train_loss"]
+    )
     mid_epoch = ckpt.open_verified(run_dir / "epoch_0002-step_0000008")
     assert (mid_epoch.training_state().epoch, mid_epoch.training_state().batches) == (1, 2)
     assert mid_epoch.metrics()["epoch"] == pytest.approx(1 + 2 / 6)
@@ -114,7 +122,9 @@ def test_workers_killed_right_after_a_report_and_mid_epoch_resume_exactly(straig
     """Rank 1 exits at its first pass after the epoch-1 report (the checkpoint just reported must not
     be lost), then is SIGKILLed at step 11, 3 steps after the step-8 checkpoint: the run resumes twice
     and ends with the uninterrupted run's weights, bit for bit."""
-    summary = _run(workspace, *_faults(workspace, "'1:7:exit'", "'1:12:kill'"), "run.max_failures=2", "run.name=faulted")
+    summary = _run(
+        workspace, *_faults(workspace, "'1:7:exit'", "'1:12:kill'"), "run.max_failures=2", "run.name=faulted"
+    )
 
     assert summary.attempts == 3
     assert "rank 1: the worker process died" in summary.failures[0]
@@ -124,7 +134,9 @@ def test_workers_killed_right_after_a_report_and_mid_epoch_resume_exactly(straig
     assert _attempts(workspace, rank=1) == [7, 5, 10]
     wasted = (7 - 1) + (5 - 1) + 10 - 18  # steps completed in all attempts, less the run's steps
     run_dir = Path(summary.run_path)
-    torch.testing.assert_close(_weights(run_dir, "epoch_0003"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        _weights(run_dir, "epoch_0003"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0
+    )
     assert summary.final_metrics["train_loss"] == straight.final_metrics["train_loss"]  # epoch totals survive too
     checkpoints = _checkpoints(run_dir)
     assert set(checkpoints.values()) == {"verified"}
@@ -132,8 +144,11 @@ def test_workers_killed_right_after_a_report_and_mid_epoch_resume_exactly(straig
     assert wasted <= 4  # at most one checkpoint interval
     record(
         "worker os._exit right after a report, then SIGKILL mid-epoch (max_failures=2)",
-        attempts=3, resumed="epoch_0001 (step 6); epoch_0002-step_0000008 (step 8)", wasted=f"0; {wasted}",
-        checkpoints=len(checkpoints), versions=1,
+        attempts=3,
+        resumed="epoch_0001 (step 6); epoch_0002-step_0000008 (step 8)",
+        wasted=f"0; {wasted}",
+        checkpoints=len(checkpoints),
+        versions=1,
     )
 
 
@@ -157,8 +172,14 @@ def test_a_fault_that_repeats_stops_after_max_failures_plus_one_attempts(ray_ses
     client = MlflowClient(workspace.tracking_uri)
     [mlflow_run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert mlflow_run.info.status == "FAILED" and _versions(workspace.tracking_uri) == 0
-    record("a fault on every attempt (max_failures=1)", attempts=2, resumed="epoch_0001 (step 6)",
-           wasted="0; 0", checkpoints=len(checkpoints), versions=0)
+    record(
+        "a fault on every attempt (max_failures=1)",
+        attempts=2,
+        resumed="epoch_0001 (step 6)",
+        wasted="0; 0",
+        checkpoints=len(checkpoints),
+        versions=0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -169,7 +190,9 @@ def test_a_fault_that_repeats_stops_after_max_failures_plus_one_attempts(ray_ses
     ],
     ids=["nan-loss", "score-missing"],
 )
-def test_a_run_that_cannot_go_on_stops_at_once_and_keeps_its_best_checkpoint(ray_session, workspace, record, fault, says):
+def test_a_run_that_cannot_go_on_stops_at_once_and_keeps_its_best_checkpoint(
+    ray_session, workspace, record, fault, says
+):
     """No retry would help: every rank sees the same global metrics and stops at the same report, with
     no checkpoint; Ray never ranks a report without the score (it would rank it best)."""
     from raytrain_ddp import RunFailed
@@ -181,8 +204,14 @@ def test_a_run_that_cannot_go_on_stops_at_once_and_keeps_its_best_checkpoint(ray
     checkpoints = _checkpoints(workspace.storage / "stopped")
     assert checkpoints == {"epoch_0001": "verified", "epoch_0001-step_0000004": "verified"}
     assert _versions(workspace.tracking_uri) == 0
-    record(f"{'NaN loss' if 'nan' in fault else 'report without the score'} (max_failures=2)", attempts=1,
-           resumed="-", wasted="-", checkpoints=len(checkpoints), versions=0)
+    record(
+        f"{'NaN loss' if 'nan' in fault else 'report without the score'} (max_failures=2)",
+        attempts=1,
+        resumed="-",
+        wasted="-",
+        checkpoints=len(checkpoints),
+        versions=0,
+    )
 
 
 @pytest.mark.slow
@@ -196,15 +225,25 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_that_verifies(straight, 
     resumed = _run(workspace, "run.name=straight")
 
     assert resumed.resumed.checkpoint == "epoch_0003-step_0000016"
-    assert resumed.resumed.skipped == ["epoch_0003: model.pt does not match its checksum (the bytes changed after it was written)"]
+    assert resumed.resumed.skipped == [
+        "epoch_0003: model.pt does not match its checksum (the bytes changed after it was written)"
+    ]
     # Steps 17 and 18 trained again, into a directory of their own: the damaged one is evidence, not overwritten.
-    torch.testing.assert_close(_weights(run_dir, "epoch_0003-retrained"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        _weights(run_dir, "epoch_0003-retrained"), _weights(Path(straight.run_path), "epoch_0003"), rtol=0, atol=0
+    )
     checkpoints = _checkpoints(run_dir)
     assert "checksum" in checkpoints.pop("epoch_0003") and set(checkpoints.values()) == {"verified"}
     assert Path(resumed.best_checkpoint).name == "epoch_0003-retrained"  # the damaged best was not registered
     assert _versions(workspace.tracking_uri) == 1
-    record("a flipped byte in the newest (and best) checkpoint", attempts=1, resumed="epoch_0003-step_0000016 (step 16)",
-           wasted=2, checkpoints=f"{len(checkpoints) + 1} (1 damaged)", versions=1)
+    record(
+        "a flipped byte in the newest (and best) checkpoint",
+        attempts=1,
+        resumed="epoch_0003-step_0000016 (step 16)",
+        wasted=2,
+        checkpoints=f"{len(checkpoints) + 1} (1 damaged)",
+        versions=1,
+    )
 
     # Every checkpoint damaged, each in one of four ways: the run stops before training and says why.
     damages = [
@@ -218,19 +257,40 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_that_verifies(straight, 
     started = time.monotonic()
     with pytest.raises(RunFailed, match="run straight cannot resume: not one checkpoint verifies") as refused:
         _run(workspace, "train.epochs=4", "run.name=straight")
-    for reason in ("model.pt is truncated", "train_state.pt is missing", "no manifest.json", "train_state.pt does not match"):
+    for reason in (
+        "model.pt is truncated",
+        "train_state.pt is missing",
+        "no manifest.json",
+        "train_state.pt does not match",
+    ):
         assert reason in str(refused.value)
-    record("every checkpoint damaged (truncated, file missing, no manifest, flipped byte)", attempts=0,
-           resumed="-", wasted="-", checkpoints="all damaged", versions=0, note=f"refused in {time.monotonic() - started:.1f} s")
+    record(
+        "every checkpoint damaged (truncated, file missing, no manifest, flipped byte)",
+        attempts=0,
+        resumed="-",
+        wasted="-",
+        checkpoints="all damaged",
+        versions=0,
+        note=f"refused in {time.monotonic() - started:.1f} s",
+    )
 
 
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        (["scaling.num_workers=3", "scaling.resources_per_worker={CPU: 1}"], "scaling: 3 workers × CPU 1 need CPU 3, the cluster has 2 (1 node(s): CPU 2)"),
+        (
+            ["scaling.num_workers=3", "scaling.resources_per_worker={CPU: 1}"],
+            "scaling: 3 workers × CPU 1 need CPU 3, the cluster has 2 (1 node(s): CPU 2)",
+        ),
         (["scaling.resources_per_worker={CPU: 1.5}"], "scaling: 2 workers × CPU 1.5 need CPU 3, the cluster has 2"),
-        (["scaling.use_gpu=true"], "scaling: 2 workers × GPU 1 need GPU 2, the cluster has 0 (1 node(s): CPU 2); set scaling.use_gpu=false"),
-        (["scaling.resources_per_worker={CPU: 1}", "dataset.source=lazy-ray"], "the workers take 2 of 2 CPUs, and Ray Data needs one"),
+        (
+            ["scaling.use_gpu=true"],
+            "scaling: 2 workers × GPU 1 need GPU 2, the cluster has 0 (1 node(s): CPU 2); set scaling.use_gpu=false",
+        ),
+        (
+            ["scaling.resources_per_worker={CPU: 1}", "dataset.source=lazy-ray"],
+            "the workers take 2 of 2 CPUs, and Ray Data needs one",
+        ),
     ],
     ids=["too-many-workers", "too-many-cpus", "no-gpus", "no-cpu-left-for-ray-data"],
 )
@@ -244,8 +304,15 @@ def test_resources_the_cluster_cannot_hold_are_refused_before_training(ray_sessi
 
     assert not workspace.storage.exists() and not (workspace.root / "mlflow.db").exists()
     assert seconds < 60  # Ray itself would wait for these resources forever
-    record(f"resources: {says.split(';')[0][:60]}…", attempts=0, resumed="-", wasted="-", checkpoints=0, versions=0,
-           note=f"refused in {seconds:.1f} s")
+    record(
+        f"resources: {says.split(';')[0][:60]}…",
+        attempts=0,
+        resumed="-",
+        wasted="-",
+        checkpoints=0,
+        versions=0,
+        note=f"refused in {seconds:.1f} s",
+    )
 
 
 def _flip_a_byte(path: Path) -> None:

@@ -9,7 +9,6 @@ import re
 import shlex
 
 import pytest
-
 from services import MLflowServer, S3Server, cli
 from test_cli import TINY
 
@@ -25,7 +24,9 @@ def s3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mlflow_server(s3, tmp_path_factory):
-    server = MLflowServer(tmp_path_factory.mktemp("mlflow-s3"), artifacts=f"s3://{s3.bucket}/mlflow", env=s3.env).start()
+    server = MLflowServer(
+        tmp_path_factory.mktemp("mlflow-s3"), artifacts=f"s3://{s3.bucket}/mlflow", env=s3.env
+    ).start()
     yield server
     server.stop()
 
@@ -35,8 +36,14 @@ def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path, re
     faults = tmp_path / "faults"
     faults.mkdir()
     command = [
-        "train", TINY, "run.name=on-s3", f"run.storage_path={storage}", f"mlflow.tracking_uri={mlflow_server.url}",
-        "train.epochs=3", "model.faults=['1:6:kill']", f"model.fault_log={faults}",  # rank 1 SIGKILLed mid-epoch 2
+        "train",
+        TINY,
+        "run.name=on-s3",
+        f"run.storage_path={storage}",
+        f"mlflow.tracking_uri={mlflow_server.url}",
+        "train.epochs=3",
+        "model.faults=['1:6:kill']",
+        f"model.fault_log={faults}",  # rank 1 SIGKILLed mid-epoch 2
     ]
 
     killed = cli(*command, cwd=tmp_path, env=s3.env)
@@ -60,6 +67,10 @@ def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path, re
     assert s3.keys(f"{source}/manifest.json") and s3.keys(f"{source}/model.pt")
     assert [key for key in s3.keys("mlflow/") if key.endswith("/MLmodel")]  # MLflow's artifacts, in S3 too
     assert client.get_run(version.run_id).info.status == "FINISHED"
-    record("rank 1 SIGKILLed mid-epoch 2 (max_failures=0), storage on S3 (moto); the printed command run again",
-           attempts="2 drivers", resumed="epoch_0001 (step 4), from S3", versions=1,
-           checkpoints=len({key.split("/")[2] for key in s3.keys("runs/on-s3/epoch_")}))
+    record(
+        "rank 1 SIGKILLed mid-epoch 2 (max_failures=0), storage on S3 (moto); the printed command run again",
+        attempts="2 drivers",
+        resumed="epoch_0001 (step 4), from S3",
+        versions=1,
+        checkpoints=len({key.split("/")[2] for key in s3.keys("runs/on-s3/epoch_")}),
+    )

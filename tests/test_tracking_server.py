@@ -16,9 +16,9 @@ import mlflow
 import numpy as np
 import pytest
 from rich.console import Console
+from services import BIN, MLflowServer, cli, free_port, user_env, wait_until
 
 from raytrain_ddp import ConfigError, checkpoint, load_config, run
-from services import BIN, MLflowServer, cli, free_port, user_env, wait_until
 
 TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
 
@@ -39,8 +39,12 @@ def test_an_unreachable_tracking_server_is_refused_in_seconds_before_anything_st
 
             took = time.monotonic() - started
             assert took < 5
-            assert f"mlflow.tracking_uri: the MLflow tracking server {uri} is unreachable ({reason})" in str(refused.value)
-            record(f"MLflow tracking server unreachable: {reason}", attempts=0, versions=0, note=f"refused in {took:.1f} s")
+            assert f"mlflow.tracking_uri: the MLflow tracking server {uri} is unreachable ({reason})" in str(
+                refused.value
+            )
+            record(
+                f"MLflow tracking server unreachable: {reason}", attempts=0, versions=0, note=f"refused in {took:.1f} s"
+            )
     assert not workspace.storage.exists()  # nothing written, nothing started
 
 
@@ -59,17 +63,34 @@ def test_server_gone_after_training_then_register_later_once(server, workspace, 
     back, registering twice gives one version."""
     overrides = [*workspace.overrides("run.name=away", "train.epochs=3", f"mlflow.tracking_uri={server.url}")]
 
-    wrong = cli("train", TINY, *overrides, cwd=workspace.root,
-                env={"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "not-the-password"})
+    wrong = cli(
+        "train",
+        TINY,
+        *overrides,
+        cwd=workspace.root,
+        env={"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "not-the-password"},
+    )
     assert wrong.returncode == 2, wrong.stderr[-3000:]
-    assert "refused the credentials (HTTP 401); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" in wrong.stderr
+    assert (
+        "refused the credentials (HTTP 401); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" in wrong.stderr
+    )
     assert not (workspace.storage / "away").exists()
 
     run_path = workspace.storage / "away"
     env = user_env(server.credentials)
-    driver = subprocess.Popen([str(BIN / "raytrain-ddp"), "train", TINY, *overrides], cwd=workspace.root, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: (run_path / "epoch_0003" / "manifest.json").exists() or driver.poll() is not None, 600, "last checkpoint")
+    driver = subprocess.Popen(
+        [str(BIN / "raytrain-ddp"), "train", TINY, *overrides],
+        cwd=workspace.root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(
+        lambda: (run_path / "epoch_0003" / "manifest.json").exists() or driver.poll() is not None,
+        600,
+        "last checkpoint",
+    )
     server.stop()
     out, err = driver.communicate(timeout=600)
 
@@ -110,5 +131,10 @@ def test_server_gone_after_training_then_register_later_once(server, workspace, 
     assert secret not in (run_path / "epoch_0003" / "config.json").read_text()
     for output in (out, err, first.stdout, first.stderr, wrong.stdout, wrong.stderr):
         assert secret not in output
-    record("MLflow server stopped as the last checkpoint lands; `raytrain-ddp register` twice once it is back",
-           attempts=1, checkpoints=f"{len(kept)} verified", versions=1, note="driver exit 3, then register exit 0 twice")
+    record(
+        "MLflow server stopped as the last checkpoint lands; `raytrain-ddp register` twice once it is back",
+        attempts=1,
+        checkpoints=f"{len(kept)} verified",
+        versions=1,
+        note="driver exit 3, then register exit 0 twice",
+    )

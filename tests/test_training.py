@@ -34,7 +34,9 @@ def straight(ray_session, module_workspace):
 
     from raytrain_ddp import run
 
-    config = load_config("digits", overrides=module_workspace.overrides(*SETTINGS, "train.epochs=4", "run.name=straight"))
+    config = load_config(
+        "digits", overrides=module_workspace.overrides(*SETTINGS, "train.epochs=4", "run.name=straight")
+    )
     notebook_uri = f"sqlite:///{module_workspace.root / 'notebook.db'}"  # as if a notebook had its own
     mlflow.set_tracking_uri(notebook_uri)
     summary = run(config)
@@ -79,7 +81,8 @@ def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(
     summary, _ = straight
     client = MlflowClient(summary.tracking_uri)
     [run] = client.search_runs(
-        [client.get_experiment_by_name("digits").experiment_id], filter_string="tags.`raytrain_ddp.run_name` = 'straight'"
+        [client.get_experiment_by_name("digits").experiment_id],
+        filter_string="tags.`raytrain_ddp.run_name` = 'straight'",
     )
     assert run.info.status == "FINISHED" and run.info.run_id == summary.mlflow_run_id
     assert run.data.params["train.epochs"] == "4" and run.data.params["scaling.num_workers"] == "2"

@@ -66,7 +66,11 @@ class MLP(nn.Module):
 
 
 def build_model(
-    *, dropout: float = 0.0, unused_branch: bool = False, faults: list[str] = [], fault_log: str | None = None
+    *,
+    dropout: float = 0.0,
+    unused_branch: bool = False,
+    faults: list[str] = [],  # noqa: B006 - read, never mutated
+    fault_log: str | None = None,
 ) -> nn.Module:
     parsed = []
     for fault in faults:
@@ -99,7 +103,9 @@ def build_datasets(
     splits = {"train": (x[:rows], y[:rows]), "val": (x[rows:], y[rows:])}
     if source == "torch":
         return {name: Rows(*arrays) for name, arrays in splits.items()}
-    datasets = {name: ray.data.from_items([{"x": a, "y": b} for a, b in zip(*arrays)]) for name, arrays in splits.items()}
+    datasets = {
+        name: ray.data.from_items([{"x": a, "y": b} for a, b in zip(*arrays)]) for name, arrays in splits.items()
+    }
     if source == "lazy-ray":  # not run until training reads it: Ray Data then needs a CPU of its own
         return {name: ds.map_batches(lambda batch: batch) for name, ds in datasets.items()}
     return {name: ds.materialize() for name, ds in datasets.items()}
