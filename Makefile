@@ -19,14 +19,15 @@ install: $(UV)
 demo: install
 	.venv/bin/raytrain-ddp train digits
 
-# Lint first, then every test. System packages for the `ray up` test (sshd, rsync): installed where
-# the machine allows, else named.
+# Everything: lint, then both tiers (tests/unit without Ray, tests/system end to end). System
+# packages for the `ray up` test (sshd, rsync) are installed where the machine allows, else named.
 test: lint
 	bash tests/system-deps.sh
 	.venv/bin/pytest
 
+# While developing: the unit tier and one 2-worker run, a few minutes on 2 cores.
 test-quick: install
-	.venv/bin/pytest -m "not slow"
+	.venv/bin/pytest -m "unit or smoke"
 
 # ruff: lint and formatting (pyproject.toml's [tool.ruff]); `make format` fixes what it can.
 lint: install

@@ -4,7 +4,8 @@ from raytrain_ddp import load_config, run
 summary = run(load_config("digits", overrides=["train.epochs=3"]))
 """
 
-from raytrain_ddp.config import Config, ConfigError, load_config
+from raytrain_ddp.config import Config, ConfigError
+from raytrain_ddp.layering import load_config, with_overrides
 from raytrain_ddp.lease import RunBusy
 
 __all__ = [
@@ -18,13 +19,23 @@ __all__ = [
     "load_config",
     "register",
     "run",
+    "with_overrides",
 ]
+
+# torch, Ray Train and MLflow load on first use, so `--help` and config checks stay fast.
+_LAZY = {
+    "run": "raytrain_ddp.driver",
+    "register": "raytrain_ddp.registration",
+    "RunSummary": "raytrain_ddp.summary",
+    "RunFailed": "raytrain_ddp.errors",
+    "RunInterrupted": "raytrain_ddp.errors",
+    "RegistrationFailed": "raytrain_ddp.errors",
+}
 
 
 def __getattr__(name: str):
-    # torch, Ray Train and MLflow load on first use, so `--help` and config checks stay fast.
-    if name in ("run", "register", "RunSummary", "RunFailed", "RunInterrupted", "RegistrationFailed"):
-        from raytrain_ddp import driver
+    if name in _LAZY:
+        import importlib
 
-        return getattr(driver, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

@@ -12,7 +12,7 @@ A checkpoint is a directory:
 Tensors load with `torch.load(weights_only=True)`: reading a checkpoint never unpickles arbitrary
 objects. Reading starts with `open_verified`, which checks the manifest once; `open_first_verified`
 walks a run's checkpoints (newest first, or best first) and opens the first that verifies, naming
-each one it skipped and why.
+each one it skipped and why; `open_resume_point` is the one place that decides where a run resumes.
 
 Checkpoints are named for where training stood: `epoch_0003` at the end of epoch 3,
 `epoch_0004-step_0000450` at step 450, in epoch 4.
@@ -174,6 +174,26 @@ def newest_first(reported: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]]
     """A run's committed checkpoints (with the metrics reported with each), newest first: by the
     optimizer step they were written at, which only grows within a run."""
     return [checkpoint for checkpoint, metrics in sorted(reported, key=lambda cm: cm[1].get("step", -1), reverse=True)]
+
+
+def run_record(run_path: str) -> ray.train.Result | None:
+    """Ray's record of a run's committed checkpoints, read from its directory on storage; None for a
+    run with no checkpoint committed yet (or no directory)."""
+    try:
+        record = ray.train.Result.from_path(run_path)
+    except RuntimeError:
+        return None
+    return record if record.best_checkpoints else None
+
+
+def open_resume_point(
+    latest: ray.train.Checkpoint, committed: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]]
+) -> contextlib.AbstractContextManager[Opened]:
+    """Open the checkpoint a run resumes from: Ray's latest committed one or, where it is damaged, the
+    newest of the run's other committed checkpoints (with their metrics) that verifies. The driver
+    (from the run's record) and the workers (from Ray Train's context) both decide it here."""
+    older = [checkpoint for checkpoint in newest_first(committed) if checkpoint.path != latest.path]
+    return open_first_verified([latest, *older])
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ import yaml
 from pydantic import BaseModel
 
 from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import Config, ConfigError, load_config
+from raytrain_ddp.config import Config, ConfigError
+from raytrain_ddp.layering import load_config
 
 OVERRIDES_HELP = """\
 overrides:
@@ -34,6 +35,21 @@ keys (default: meaning):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    # Overrides may also follow an option (`train JOB --config F k=v`), where argparse stops taking them.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "jobs":
+        searched = ", ".join(map(str, recipes.job_search_path()))
+        print("\n".join(recipes.available_jobs()) or f"no jobs found in: {searched}")
+        return 0
+    return _register(args) if args.command == "register" else _train(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-ddp", description="Distributed data-parallel PyTorch on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
@@ -59,20 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     register.add_argument("--tracking-uri", help="the MLflow tracking server (default: the one the run used)")
     register.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
-    # Overrides may also follow an option (`train JOB --config F k=v`), where argparse stops taking them.
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
-        args.overrides += extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return parser
 
-    if args.command == "jobs":
-        print(
-            "\n".join(recipes.available_jobs()) or "no jobs found in: " + ", ".join(map(str, recipes.job_search_path()))
-        )
-        return 0
-    if args.command == "register":
-        return _register(args)
+
+def _train(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.job, config_file=args.config, overrides=args.overrides)
     except ConfigError as e:
@@ -82,12 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
 
-    from raytrain_ddp.driver import (
-        RegistrationFailed,
-        RunFailed,
-        RunInterrupted,
-        run,
-    )  # torch, Ray, MLflow: only to train
+    from raytrain_ddp.driver import run  # torch, Ray, MLflow: only to train
+    from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
     from raytrain_ddp.lease import RunBusy
 
     try:
@@ -109,15 +111,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _register(args: argparse.Namespace) -> int:
     from raytrain_ddp.checkpoint import NoValidCheckpoint
-    from raytrain_ddp.driver import register
+    from raytrain_ddp.errors import RunFailed
     from raytrain_ddp.lease import RunBusy
+    from raytrain_ddp.registration import register
 
     try:
         register(args.run, tracking_uri=args.tracking_uri, verbose=args.verbose)
     except (ConfigError, RunBusy, NoValidCheckpoint) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - the tracking server failing mid-way, say: nothing is lost, run it again
+    except RunFailed as e:  # registering failed mid-way: the message says how to finish it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - the tracking server failing before it began, say: run it again
         print(f"error: the model was not registered: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,26 +1,18 @@
-"""The run configuration: schema, defaults, layering and validation.
+"""The run configuration's schema: every setting of the service, its default, its unit and its limits.
 
-Layers, later wins::
-
-    schema defaults  <  jobs/<job>.yaml  <  --config FILE  <  key.sub=value overrides
-
-The result is validated as a whole (every problem reported at once, each naming its key path, where
-the bad value came from, and what is allowed) and frozen. This module is the only place where the
-service's defaults live; a recipe's own defaults live in its function signatures (see `recipe.py`).
+This module is the only place where the service's defaults live (a recipe's own defaults live in its
+function signatures: see `recipe.py`). How a config is put together from the job's YAML, a config
+file and `key=value` overrides, and validated as a whole, is `layering.py`'s.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from raytrain_ddp import recipe as recipes
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class ConfigError(ValueError):
@@ -188,7 +180,7 @@ class MLflowSettings(_Section):
 
 def _refuse_credentials(key: str, uri: str, instead: str) -> None:
     """A config is saved in every checkpoint and logged to MLflow: it must never hold a secret."""
-    if "://" in uri and "@" in uri.split("://", 1)[1].split("/", 1)[0]:
+    if "@" in urlsplit(uri).netloc:
         raise ValueError(f"{key} must not contain credentials (user:password@); set {instead} in the environment")
 
 
@@ -224,6 +216,13 @@ class Config(_Section):
             )
         return self
 
+    # How this config was made: the recipe it was validated against and its layers (see layering.py).
+    # Not part of its data, so never saved, logged or compared; it lets one command import its job once.
+    _origin: Any = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self.to_dict() == other.to_dict()
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -233,201 +232,15 @@ class Config(_Section):
 
     def flat(self) -> dict[str, Any]:
         """`{"train.lr": 0.001, ...}`: the config as MLflow params."""
-        return {".".join(path): value for path, value in _flatten(self.to_dict())}
-
-    def overrides_against(self, base: Config) -> list[str]:
-        """The `key=value` overrides that turn `base` into this config."""
-        before = base.flat()
-        return [f"{key}={_yaml_value(value)}" for key, value in self.flat().items() if before.get(key) != value]
-
-    def with_overrides(self, *overrides: str) -> Config:
-        """A copy with `key.sub=value` overrides applied and validated."""
-        return _validate(self.job, [_Layer("config", self.to_dict()), *_override_layers(self.job, overrides)])
+        return {".".join(path): value for path, value in flatten(self.to_dict()).items()}
 
 
-# Keys a resumed run may change: they do not change what is computed, only how long, where, and what
-# is kept or logged. Anything else would be silently overridden by the restored optimizer state or
-# break exact resume (data order depends on num_workers), so changing it means starting a new run.
-RESUMABLE = (
-    "train.epochs",
-    "train.eval_batch_size",
-    "train.num_loader_workers",
-    "scaling.use_gpu",
-    "scaling.resources_per_worker",
-    "ddp.bucket_cap_mb",
-    "ddp.gradient_as_bucket_view",
-    "ddp.find_unused_parameters",
-    "ddp.static_graph",
-    "checkpoint.",
-    "run.storage_path",
-    "run.max_failures",
-    "run.controller_poll_s",
-    "mlflow.",
-)
-
-
-def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:
-    """What `config` changes, against the config saved in the run's latest checkpoint, that a resume
-    may not change; one line per key."""
-    before = {".".join(p): v for p, v in _flatten(saved)}
-    after = config.flat()
-    return [
-        f"{key}: was {before.get(key)!r} when the run started, now {after.get(key)!r}; a resumed run keeps it"
-        for key in sorted(set(before) | set(after))
-        if before.get(key) != after.get(key) and not key.startswith(RESUMABLE)
-    ]
-
-
-# ---- loading -------------------------------------------------------------------------------------
-
-
-def load_config(job: str, *, config_file: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Resolve `job` to its recipe and YAML, layer the config files and overrides, validate everything.
-
-    >>> load_config("digits", overrides=["train.epochs=2"])
-    """
-    try:
-        files = recipes.find_job(job)
-    except recipes.RecipeError as e:
-        raise ConfigError(job, [str(e)]) from None
-    layers = [_Layer("defaults", {"job": job})]
-    for path in (files.yaml, config_file):
-        if path is not None:
-            layers.append(_Layer(str(path), _read_yaml(job, Path(path))))
-    return _validate(job, [*layers, *_override_layers(job, overrides)])
-
-
-class _Layer(NamedTuple):
-    source: str  # where the values came from, for error messages
-    data: dict[str, Any]
-
-
-def _override_layers(job: str, overrides: Sequence[str]) -> list[_Layer]:
-    layers, problems = [], []
-    for override in overrides:
-        try:
-            layers.append(_Layer("command line", _parse_override(override)))
-        except ValueError as e:
-            problems.append(str(e))
-    if problems:
-        raise ConfigError(job, problems)
-    return layers
-
-
-def _validate(job: str, layers: Sequence[_Layer]) -> Config:
-    merged: dict[str, Any] = {}
-    sources: dict[tuple, str] = {}
-    for layer in layers:
-        _merge(merged, layer.data, layer.source, sources, ())
-    problems: list[str] = []
-    config = None
-    try:
-        config = Config.model_validate(merged)
-    except ValidationError as e:
-        problems += [_describe(err, sources) for err in e.errors()]
-    try:
-        recipe = recipes.load(merged.get("job", job))
-    except recipes.RecipeError as e:
-        raise ConfigError(job, problems + [str(e)]) from None
-    resolved_kwargs = {}
-    for section, schema in (("model", recipe.model_kwargs), ("dataset", recipe.dataset_kwargs)):
-        try:
-            resolved_kwargs[section] = schema.model_validate(merged.get(section) or {}).model_dump()
-        except ValidationError as e:
-            problems += [_describe(err, sources, prefix=(section,), schema=schema) for err in e.errors()]
-    if problems:
-        raise ConfigError(job, problems)
-    return config.model_copy(update=resolved_kwargs)
-
-
-def _merge(into: dict, new: Mapping, source: str, sources: dict, path: tuple) -> None:
-    for key, value in new.items():
-        key_path = path + (key,)
-        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
-            _merge(into[key], value, source, sources, key_path)
+def flatten(data: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
+    """A nested mapping as `{("key", "path"): value}`; an empty mapping is a value of its own."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            flat |= {(key, *path): inner for path, inner in flatten(value).items()}
         else:
-            into[key] = dict(value) if isinstance(value, Mapping) else value
-            sources[key_path] = source
-            for inner_path, _ in _flatten(value, key_path):
-                sources[inner_path] = source
-
-
-def _flatten(data: Any, path: tuple = ()):
-    if isinstance(data, Mapping) and data:
-        for key, value in data.items():
-            yield from _flatten(value, path + (key,))
-    elif path:
-        yield path, data
-
-
-def _describe(err: dict, sources: dict, prefix: tuple = (), schema: type[BaseModel] = Config) -> str:
-    loc = prefix + tuple(str(p) for p in err["loc"])
-    key = ".".join(loc)
-    if not loc:  # a check across sections: the message names the keys
-        return err["msg"].removeprefix("Value error, ")
-    source = _source_of(loc, sources)
-    if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(loc[len(prefix) : -1], schema)
-        hint = difflib.get_close_matches(loc[-1], allowed, n=1)
-        did_you_mean = f"; did you mean '{hint[0]}'?" if hint else ""
-        return f"{key}: unknown key (from {source}); allowed keys here: {', '.join(allowed) or '(none)'}{did_you_mean}"
-    if err["type"] == "missing":
-        return f"{key}: required, but no layer sets it"
-    message = err["msg"].removeprefix("Value error, ")
-    if isinstance(err.get("input"), Mapping):  # a check across a section's keys: the message names them
-        return f"{key}: {message}"
-    return f"{key}: {message} (got {err['input']!r}, from {source})"
-
-
-def _source_of(loc: tuple, sources: dict) -> str:
-    """The layer that set `loc` (or the nearest mapping above it)."""
-    return next((sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), "defaults")
-
-
-def _allowed_keys(loc: tuple, schema: Any) -> list[str]:
-    for part in loc:
-        field = schema.model_fields.get(part) if isinstance(schema, type) and issubclass(schema, BaseModel) else None
-        schema = field.annotation if field else None
-    if isinstance(schema, type) and issubclass(schema, BaseModel):
-        return sorted(schema.model_fields)
-    return []
-
-
-def _read_yaml(job: str, path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(job, [f"{path}: no such config file"])
-    try:
-        data = yaml.load(path.read_text(), Loader=_Loader) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(job, [f"{path}: not valid YAML: {e}"]) from None
-    if not isinstance(data, dict):
-        raise ConfigError(job, [f"{path}: must be a mapping of keys to values, got {type(data).__name__}"])
-    return data
-
-
-def _parse_override(override: str) -> dict[str, Any]:
-    key, sep, raw = override.partition("=")
-    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*", key.strip()):
-        raise ValueError(f"override {override!r}: expected key.sub=value, e.g. train.epochs=5")
-    try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ValueError(f"override {override!r}: value is not valid YAML: {e}") from None
-    for part in reversed(key.strip().split(".")):
-        value = {part: value}
-    return value
-
-
-def _yaml_value(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.2), which PyYAML's 1.1 rules leave a string."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
+            flat[(key,)] = value
+    return flat

@@ -1,4 +1,5 @@
-"""What the user sees: a line per report as they arrive, a line per failed attempt, a summary at the end.
+"""What the user sees while a run trains: the plan in a line, a line per report as they arrive, a line
+per failed attempt. (The summary at the end is `summary.py`'s.)
 
 Reports and failures reach the Ray Train controller, not the driver; `ProgressRelay` (a controller
 callback) puts each on a Ray queue that `LiveProgress` drains on the driver while `fit()` runs.
@@ -14,14 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import ray.train
 from ray.exceptions import RayActorError
+from ray.train import WorkerGroupError
 from ray.util.queue import Empty, Queue
 from rich.console import Console
 from rich.markup import escape
 
 from raytrain_ddp.metrics import STOPPED
+from raytrain_ddp.optim import optimizer_steps
 
 if TYPE_CHECKING:
-    from raytrain_ddp.driver import RunSummary
+    from raytrain_ddp.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -53,24 +56,16 @@ class LiveProgress:
     the phase on a terminal. Keeps what the driver needs afterwards: the failures, and why the run
     stopped if the workers stopped it."""
 
-    def __init__(
-        self,
-        console: Console,
-        *,
-        epochs: int,
-        score: str,
-        order: str,
-        workers: int,
-        max_failures: int,
-        latest: str | None,
-    ):
-        self.console, self.epochs, self.score, self.order = console, epochs, score, order
-        self.max_failures, self.latest = max_failures, latest
+    def __init__(self, console: Console, plan: Plan):
+        config = plan.config
+        self.console, self.epochs = console, config.train.epochs
+        self.score, self.order = config.checkpoint.score_attribute, config.checkpoint.score_order
+        self.max_failures, self.latest = config.run.max_failures, plan.resume.checkpoint
         self.relay: ProgressRelay | None = None  # for the trainer's callbacks, from __enter__ on
         self.best: float | None = None
         self.failures: list[str] = []
         self.stopped: str | None = None
-        self._status = console.status(f"Starting {workers} training workers…")
+        self._status = console.status(f"Starting {config.scaling.num_workers} training workers…")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True)
 
@@ -111,7 +106,7 @@ class LiveProgress:
         )
         if improved:
             self.best = score
-        values = "  ".join(f"{k} [bold]{v:.4f}[/]" for k, v in m.items() if _is_quality_metric(k, v))
+        values = "  ".join(f"{k} [bold]{v:.4f}[/]" for k, v in m.items() if is_quality_metric(k, v))
         best = "  [green]★ best[/]" if improved else ""
         epoch = m["epoch"]
         where = (
@@ -119,7 +114,7 @@ class LiveProgress:
             if epoch == int(epoch)
             else f"  step {m['step']:>5} (epoch {epoch:.2f})"
         )
-        self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {_throughput(m)}[/]{best}")
+        self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {throughput(m)}[/]{best}")
         self._status.update(f"Training… epoch {epoch:.4g}/{self.epochs}")
 
     def _failed(self, errors: dict[int, str], latest: str | None) -> None:
@@ -132,6 +127,33 @@ class LiveProgress:
             restart = f"no restarts left (run.max_failures={self.max_failures})"
         self.failures.append(f"{what} — {restart}")
         self.console.print(f"[yellow]attempt {len(self.failures)} failed[/]: {escape(self.failures[-1])}")
+
+
+def show_plan(console: Console, plan: Plan) -> None:
+    """The run in a line: what trains, on how many workers, where it starts from and where it writes."""
+    config, t, resume = plan.config, plan.config.train, plan.resume
+    accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
+    steps = optimizer_steps(plan.batches_per_epoch, t.grad_accum_steps)
+    resuming = (
+        f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})"
+        if resume.checkpoint
+        else ""
+    )
+    console.print(
+        f"[bold]{config.run.name}[/]: job {plan.recipe.name}, {config.scaling.num_workers} workers × batch "
+        f"{t.batch_size}{accumulation}, {plan.train_rows} training rows ({steps} steps/epoch){resuming}, "
+        f"checkpoints in {plan.run_path}"
+    )
+    for skipped in resume.skipped:
+        console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(skipped))}")
+
+
+def describe_failure(error: BaseException, max_failures: int, failed_attempts: int) -> str:
+    """What failed, on which rank, after how many attempts: one line per rank, not Ray's tracebacks."""
+    if isinstance(error, WorkerGroupError):
+        ranks = "; ".join(f"rank {rank}: {one_line(e)}" for rank, e in sorted(error.worker_failures.items()))
+        return f"{ranks} (attempt {max(failed_attempts, 1)}; run.max_failures={max_failures})"
+    return str(error)
 
 
 def one_line(error: BaseException) -> str:
@@ -150,44 +172,11 @@ def one_line(error: BaseException) -> str:
     return last if len(last) <= 200 else last[:199] + "…"
 
 
-def print_summary(console: Console, summary: RunSummary) -> None:
-    best = summary.metrics
-    rows = [(f"{k} (global)", f"{v:.4f}") for k, v in best.items() if _is_quality_metric(k, v) and k != "train_loss"]
-    rows += [
-        ("validation samples", f"{best.get('val_samples')} (each counted once across {summary.workers} workers)"),
-        ("throughput", f"{_throughput(summary.final_metrics)} (last epoch)"),
-        ("best checkpoint", f"{summary.best_checkpoint}  (epoch {best.get('epoch'):.4g}, step {best.get('step')})"),
-        ("registered model", f"{summary.model.name}  version {summary.model.version}"),
-        ("model URI", summary.model.uri),
-        ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
-        *([("artifacts", ", ".join(summary.artifacts))] if summary.artifacts else []),
-        ("MLflow UI", summary.ui_command),
-        ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
-    ]
-    if summary.resumed.checkpoint:
-        rows.insert(
-            0,
-            (
-                "resumed from",
-                f"{summary.resumed.checkpoint} (epoch {summary.resumed.epoch:.4g}, step {summary.resumed.step})",
-            ),
-        )
-    if summary.failures:
-        restarts = "; ".join(f"{i}: {failure}" for i, failure in enumerate(summary.failures, 1))
-        rows.insert(0, ("attempts", f"{summary.attempts}, after failures: {restarts}"))
-    minutes, seconds = divmod(round(summary.wall_time_s), 60)
-    epochs = f"{summary.epochs} epoch{'s' if summary.epochs != 1 else ''}"
-    console.print(f"\n[bold]{summary.run_name}[/] finished: {epochs} in {minutes}m {seconds:02d}s")
-    width = max(len(key) for key, _ in rows)
-    for key, value in rows:
-        console.print(f"  [bold]{key:<{width}}[/]  {escape(value)}", soft_wrap=True, highlight=False)
-
-
-def _is_quality_metric(key: str, value: Any) -> bool:
+def is_quality_metric(key: str, value: Any) -> bool:
     """train_loss and the recipe's val_* metrics; not counts, times or per-worker lists."""
     return (key == "train_loss" or key.startswith("val_")) and "samples" not in key and isinstance(value, float)
 
 
-def _throughput(m: dict[str, Any]) -> str:
+def throughput(m: dict[str, Any]) -> str:
     tokens = f"{m['tokens_per_s']:,.0f} tokens/s, " if "tokens_per_s" in m else ""
     return f"{m['samples_per_s']:,.0f} samples/s, {tokens}{m['data_wait_fraction']:.0%} waiting for data"

@@ -20,7 +20,8 @@ import math
 import random
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -34,25 +35,57 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data
 from raytrain_ddp.config import Config, DDPSettings
 from raytrain_ddp.metrics import STOPPED, EpochMeter, all_gather, combine
-from raytrain_ddp.optim import Updater
+from raytrain_ddp.optim import Accumulation, Updater
 from raytrain_ddp.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Worker:
+    """What this rank trains with, fixed for the attempt."""
+
+    config: Config
+    recipe: Recipe
+    rank: int
+    data: data.WorkerData
+    model: torch.nn.Module  # built, evaluated and saved; `ddp_model` wraps it for training
+    updater: Updater
+    accumulation: Accumulation
+    retrained: frozenset[str]  # damaged checkpoints training passes again: it writes `<name>-retrained`
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training stands: `epoch` epochs done, `batches` micro-batches into the next, `step`
+    optimizer steps in all."""
+
+    epoch: int
+    batches: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """How long the previous checkpoint blocked training: in all, and waiting for its commit. Reported
+    with the next."""
+
+    checkpoint_s: float = 0.0
+    commit_wait_s: float = 0.0
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = Config.from_dict(loop_config["config"])
     recipe: Recipe = loop_config["recipe"]
-    batches_per_epoch: int = loop_config["batches_per_epoch"]
-    rank = ray.train.get_context().get_world_rank()
     worker_data = data.WorkerData(loop_config["torch_datasets"], config.train, config.seed)
-    device = worker_data.device
+    rank, device = worker_data.rank, worker_data.device
+    accumulation = Accumulation(loop_config["batches_per_epoch"], config.train.grad_accum_steps)
 
     # 1. Build the same model on every rank, wrap it in DDP, then optimizer, schedule and precision.
     torch.manual_seed(config.seed)
     model = recipe.build_model(**config.model)
     ddp_model = wrap_model(model, config.ddp)
-    updater = Updater(model, ddp_model, config.train, batches_per_epoch, device)
+    updater = Updater(model, config.train, accumulation.steps, device)
 
     # 2. Resume where the newest checkpoint that verifies left off (to the micro-batch, with every
     #    rank's random state), or seed this rank's own random stream.
@@ -62,61 +95,102 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     else:
         start = ckpt.TrainingState(epoch=0, step=0, updater={}, rng=[])
         _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank))
-    step = start.step
-    blocked = {"checkpoint_s": 0.0, "commit_wait_s": 0.0}  # by the previous checkpoint, reported with the next
+    worker = Worker(config, recipe, rank, worker_data, model, updater, accumulation, retrained)
+    step, blocked = start.step, Blocked()
 
-    def report(epoch: int, batches: int, meter: EpochMeter) -> bool:
-        """Evaluate and report global metrics from every rank, with rank 0's checkpoint of where training
-        stands: `epoch` epochs done and `batches` micro-batches into the next. False: stop the run."""
-        with meter.paused(), _rank0_buffers(model, keep_own=not config.ddp.broadcast_buffers), updater.autocast():
-            metrics = {
-                "epoch": epoch + batches / batches_per_epoch,
-                "step": step,
-                "lr": updater.lr,
-                **combine(meter, recipe.count_tokens is not None, device),
-                **{f"val_{name}": value for name, value in evaluate(model, recipe, worker_data.val_batches()).items()},
-                "epoch_time_s": meter.epoch_time_s(),
-                **blocked,
-            }
-            problem = _stop_reason(metrics, config.checkpoint.score_attribute)
-            if problem is not None:  # the same global metrics on every rank: every rank stops here
-                ray.train.report({**metrics, STOPPED: problem})
-                return False
-            rng, meters = zip(*all_gather((ckpt.rng_state(), meter.state_dict() if batches else None)))
-            state = ckpt.TrainingState(
-                epoch, step, updater.state_dict(), list(rng), batches, list(meters) if batches else []
-            )
-            name = ckpt.dir_name(epoch, step, batches)
-            name = name if name not in retrained else f"{name}-retrained"
-            blocked.update(_report(metrics, model, state, loop_config["config"], rank, name, config.checkpoint.upload))
-        return True
-
-    # 3. Train. Report every checkpoint.every_n_steps optimizer steps and at the end of each epoch.
+    # 3. Train: one optimizer step per `accumulation.per_step` micro-batches. Evaluate and checkpoint
+    #    every checkpoint.every_n_steps steps and at the end of each epoch.
     every = config.checkpoint.every_n_steps
     for epoch in range(start.epoch, config.train.epochs):
         resumed = epoch == start.epoch and start.batches > 0
         meter = EpochMeter(**start.meters[rank]) if resumed else EpochMeter()
         first = start.batches if resumed else 0  # a resumed epoch skips the batches it already trained
         ddp_model.train()
-        batches = itertools.islice(worker_data.train_batches(epoch), first, None)
-        for i, batch in enumerate(meter.timed(batches), start=first):
-            with updater.sync(i), updater.autocast():
-                loss = recipe.compute_loss(ddp_model, batch)
-            updater.backward(loss, i)
+        epoch_batches = itertools.islice(worker_data.train_batches(epoch), first, None)
+        for i, batch in enumerate(meter.timed(epoch_batches), start=first):
+            loss = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
             meter.add_batch(loss, _rows(batch), recipe.count_tokens(batch) if recipe.count_tokens else None)
-            if updater.ready(i):
-                meter.add_step(updater.step())
-                step += 1
-                if every and step % every == 0 and i + 1 < batches_per_epoch:
-                    if not report(epoch, i + 1, meter):
-                        return
-                    ddp_model.train()
-        if meter.batches != batches_per_epoch:  # the accumulation groups assume the count
+            if not accumulation.ends_step(i):
+                continue
+            meter.add_step(optimizer_step(updater, config.train.grad_clip_norm))
+            step += 1
+            if every and step % every == 0 and i + 1 < accumulation.micro_batches:
+                blocked = evaluate_and_checkpoint(worker, Position(epoch, i + 1, step), meter, blocked)
+                if blocked is None:
+                    return
+                ddp_model.train()
+        if meter.batches != accumulation.micro_batches:  # the accumulation groups assume the count
             raise RuntimeError(
-                f"rank {rank} got {meter.batches} batches in epoch {epoch + 1}, expected {batches_per_epoch}"
+                f"rank {rank} got {meter.batches} batches in epoch {epoch + 1}, expected {accumulation.micro_batches}"
             )
-        if not report(epoch + 1, 0, meter):
+        blocked = evaluate_and_checkpoint(worker, Position(epoch + 1, 0, step), meter, blocked)
+        if blocked is None:
             return
+
+
+def forward_backward(
+    ddp_model: torch.nn.Module,
+    compute_loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    updater: Updater,
+    accumulation: Accumulation,
+    i: int,
+) -> torch.Tensor:
+    """Micro-batch `i` of the epoch: the forward pass under autocast, then the backward pass of its
+    share of the step's loss (so K micro-batches of B rows average like one batch of K x B). DDP
+    all-reduces the gradients on a step's last micro-batch only; before it they accumulate locally."""
+    last = accumulation.ends_step(i)
+    with contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") else ddp_model.no_sync():
+        with updater.autocast():
+            loss = compute_loss(ddp_model, batch)
+        updater.scaler.scale(loss / accumulation.step_size(i)).backward()
+    return loss
+
+
+def optimizer_step(updater: Updater, clip_norm: float | None) -> torch.Tensor:
+    """Unscale the gradients, clip them to a global L2 norm of `clip_norm`, step, zero them, and
+    advance the schedule. Returns the norm before clipping, as a tensor on the device (reading it
+    would wait for the GPU); with fp16, inf or nan when the gradients overflowed: the scaler then
+    skips the step, and so does the schedule."""
+    optimizer, scaler = updater.optimizer, updater.scaler
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(updater.parameters, clip_norm or math.inf)
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if scale is None or scaler.get_scale() >= scale:  # a lowered scale means a skipped step
+        updater.scheduler.step()
+    return norm.detach()
+
+
+def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blocked: Blocked) -> Blocked | None:
+    """Evaluate, then report the global metrics from every rank, with rank 0's checkpoint of where
+    training stands. Returns how long the checkpoint blocked training, or None when the run must stop:
+    every rank sees the same global metrics, so every rank stops at the same report, which then
+    carries the reason and no checkpoint."""
+    config, model, recipe = worker.config, worker.model, worker.recipe
+    own_buffers = not config.ddp.broadcast_buffers
+    with meter.paused(), _rank0_buffers(model, keep_own=own_buffers), worker.updater.autocast():
+        metrics = {
+            "epoch": at.epoch + at.batches / worker.accumulation.micro_batches,
+            "step": at.step,
+            "lr": worker.updater.lr,
+            **combine(meter, recipe.count_tokens is not None, worker.data.device),
+            **{f"val_{name}": value for name, value in evaluate(model, recipe, worker.data.val_batches()).items()},
+            "epoch_time_s": meter.epoch_time_s(),
+            **asdict(blocked),
+        }
+        problem = _stop_reason(metrics, config.checkpoint.score_attribute)
+        if problem is not None:
+            ray.train.report({**metrics, STOPPED: problem})
+            return None
+        rng, meters = zip(*all_gather((ckpt.rng_state(), meter.state_dict() if at.batches else None)))
+        meters = list(meters) if at.batches else []
+        state = ckpt.TrainingState(at.epoch, at.step, worker.updater.state_dict(), list(rng), at.batches, meters)
+        name = ckpt.dir_name(at.epoch, at.step, at.batches)
+        name = f"{name}-retrained" if name in worker.retrained else name
+        return _save_and_report(metrics, model, state, config.to_dict(), worker.rank, name, config.checkpoint.upload)
 
 
 def wrap_model(model: torch.nn.Module, ddp: DDPSettings) -> torch.nn.Module:
@@ -148,16 +222,17 @@ def evaluate(model: torch.nn.Module, recipe: Recipe, batches: Iterator[dict[str,
     return metrics
 
 
-def _resume(model: torch.nn.Module, updater: Updater, world_size: int) -> tuple[ckpt.TrainingState | None, set[str]]:
+def _resume(
+    model: torch.nn.Module, updater: Updater, world_size: int
+) -> tuple[ckpt.TrainingState | None, frozenset[str]]:
     """Load the newest checkpoint of the run that verifies: Ray's latest, else (damaged) the newest
     committed one before it. Returns its training state (None for a new run) and the names of the
     checkpoints skipped, which training will pass again and must not overwrite."""
     latest = ray.train.get_checkpoint()
     if latest is None:
-        return None, set()
-    reported = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
-    older = [c for c in ckpt.newest_first((r.checkpoint, r.metrics) for r in reported) if c.path != latest.path]
-    with ckpt.open_first_verified([latest, *older]) as opened:
+        return None, frozenset()
+    committed = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+    with ckpt.open_resume_point(latest, ((c.checkpoint, c.metrics) for c in committed)) as opened:
         for skipped in opened.skipped:
             logger.warning("skipping a damaged checkpoint: %s", skipped)
         chosen = all_gather(opened.name)
@@ -173,10 +248,10 @@ def _resume(model: torch.nn.Module, updater: Updater, world_size: int) -> tuple[
             f"resume with scaling.num_workers={len(state.rng)} or start a new run"
         )
     updater.load_state_dict(state.updater)
-    return state, {skipped.name for skipped in opened.skipped}
+    return state, frozenset(skipped.name for skipped in opened.skipped)
 
 
-def _report(
+def _save_and_report(
     metrics: dict[str, Any],
     model: torch.nn.Module,
     state: ckpt.TrainingState,
@@ -184,9 +259,8 @@ def _report(
     rank: int,
     name: str,
     upload: str,
-) -> dict[str, float]:
-    """Report with rank 0's checkpoint. Returns the seconds training was blocked, in all and waiting
-    for the commit.
+) -> Blocked:
+    """Report with rank 0's checkpoint. Returns how long training was blocked.
 
     sync: upload, then wait until the controller has committed the checkpoint: a worker that died in
     the next second would otherwise take it with it (the restart would resume from the one before).
@@ -211,7 +285,7 @@ def _report(
     if mode == CheckpointUploadMode.SYNC:
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
     done = time.perf_counter()
-    return {"checkpoint_s": done - started, "commit_wait_s": done - reported}
+    return Blocked(checkpoint_s=done - started, commit_wait_s=done - reported)
 
 
 @contextlib.contextmanager

@@ -1,16 +1,14 @@
-"""How a worker turns losses into parameter updates: optimizer, LR schedule, mixed precision,
-gradient accumulation and clipping, all driven by `train.*` settings.
-
-The loop asks three things of an `Updater`: `autocast()` around the forward pass, `backward(loss, i)`
-for the i-th micro-batch of an epoch, and `ready(i)` to know when that micro-batch completes an
-optimizer step, which `step()` then takes.
+"""What a worker updates its model with, built from `train.*` settings: the optimizer (weight decay on
+matrices only), the LR schedule (warmup, then constant, cosine or step), the grad scaler of fp16
+precision, and how an epoch's micro-batches group into optimizer steps. One step itself (accumulate
+with no_sync, unscale, clip, step, schedule) is taken in `loop.py`, where it reads top to bottom.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,20 +18,35 @@ from raytrain_ddp.config import TrainSettings
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@dataclass(frozen=True)
+class Accumulation:
+    """How a worker's micro-batches of an epoch group into optimizer steps: `per_step` each
+    (train.grad_accum_steps), the epoch's last step taking what is left."""
+
+    micro_batches: int  # per worker and epoch
+    per_step: int
+
+    @property
+    def steps(self) -> int:
+        return optimizer_steps(self.micro_batches, self.per_step)
+
+    def ends_step(self, i: int) -> bool:
+        """Whether micro-batch `i` (0-based, in the epoch) is the last of its optimizer step."""
+        return (i + 1) % self.per_step == 0 or i + 1 >= self.micro_batches
+
+    def step_size(self, i: int) -> int:
+        """The micro-batches in the optimizer step of micro-batch `i`."""
+        start = i - i % self.per_step
+        return max(1, min(self.per_step, self.micro_batches - start))
+
+
 class Updater:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        ddp_model: torch.nn.Module,
-        train: TrainSettings,
-        micro_batches_per_epoch: int,
-        device: torch.device,
-    ):
-        self.train, self.device, self.ddp_model = train, device, ddp_model
-        self.micro_batches = micro_batches_per_epoch
+    """One worker's optimizer, LR schedule and grad scaler: built together, checkpointed together."""
+
+    def __init__(self, model: torch.nn.Module, train: TrainSettings, steps_per_epoch: int, device: torch.device):
+        self.train, self.device = train, device
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, train)
-        steps_per_epoch = optimizer_steps(micro_batches_per_epoch, train.grad_accum_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, train, steps_per_epoch)
         )
@@ -43,37 +56,6 @@ class Updater:
     def autocast(self) -> AbstractContextManager:
         dtype = DTYPES[self.train.precision]
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
-
-    def sync(self, i: int) -> AbstractContextManager:
-        """Around forward and backward of micro-batch `i`: skip DDP's gradient all-reduce on all but the
-        last micro-batch of a step (they only accumulate locally)."""
-        if self.ready(i) or not hasattr(self.ddp_model, "no_sync"):
-            return contextlib.nullcontext()
-        return self.ddp_model.no_sync()
-
-    def backward(self, loss: torch.Tensor, i: int) -> None:
-        # Each micro-batch's share of the step, so K micro-batches of B average like one batch of K*B.
-        self.scaler.scale(loss / self._group_size(i)).backward()
-
-    def ready(self, i: int) -> bool:
-        """Whether micro-batch `i` (0-based, in the epoch) is the last of its optimizer step."""
-        k = self.train.grad_accum_steps
-        return (i + 1) % k == 0 or i + 1 >= self.micro_batches
-
-    def step(self) -> torch.Tensor:
-        """Unscale, clip by global norm, step, advance the schedule; returns the gradient norm before
-        clipping, as a tensor on the device (reading it would wait for the GPU), inf or nan when fp16
-        overflowed: the scaler then skips the step, and so does the schedule."""
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.train.grad_clip_norm or math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        if scale is None or self.scaler.get_scale() >= scale:  # a lowered scale means a skipped step
-            self.scheduler.step()
-        return norm.detach()
 
     @property
     def lr(self) -> float:
@@ -91,11 +73,6 @@ class Updater:
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-
-    def _group_size(self, i: int) -> int:
-        k = self.train.grad_accum_steps
-        start = i - i % k
-        return max(1, min(k, self.micro_batches - start))
 
 
 def optimizer_steps(micro_batches: int, grad_accum_steps: int) -> int:

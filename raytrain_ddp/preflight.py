@@ -1,32 +1,75 @@
-"""What is checked before any training worker starts, so that bad input costs seconds and writes nothing:
-the recipe on two validation rows, the score metric, whether the cluster can ever hold the workers,
-and, for a run that exists, which checkpoint it continues from and what a resume may not change.
+"""What is checked before any training worker starts, so that bad input costs seconds and writes nothing.
+
+Before Ray starts (`check_before_ray`): a run another live driver holds, a tracking server that cannot
+be reached or refuses the credentials, storage that would vanish with the job. Then, with the plan in
+hand (`check`): the recipe on two validation rows, the score metric, whether the cluster can ever hold
+the workers, whether every node sees the storage, and what a resumed run may not change. Every
+problem is reported at once, as one ConfigError.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp.config import Config, resume_conflicts
+from raytrain_ddp import lease, storage, tracking
+from raytrain_ddp.config import Config, ConfigError, flatten
 from raytrain_ddp.metrics import reported_metrics
 from raytrain_ddp.recipe import Recipe
 
+if TYPE_CHECKING:
+    from raytrain_ddp.plan import Plan
 
-@dataclass(frozen=True)
-class Resume:
-    """Where a run stands: the checkpoint training continues from (None for a new run)."""
+# Keys a resumed run may change: they do not change what is computed, only how long, where, and what
+# is kept or logged. Anything else would be silently overridden by the restored optimizer state or
+# break exact resume (data order depends on num_workers), so changing it means starting a new run.
+RESUMABLE = (
+    "train.epochs",
+    "train.eval_batch_size",
+    "train.num_loader_workers",
+    "scaling.use_gpu",
+    "scaling.resources_per_worker",
+    "ddp.bucket_cap_mb",
+    "ddp.gradient_as_bucket_view",
+    "ddp.find_unused_parameters",
+    "ddp.static_graph",
+    "checkpoint.",
+    "run.storage_path",
+    "run.max_failures",
+    "run.controller_poll_s",
+    "mlflow.",
+)
 
-    checkpoint: str | None = None  # its name in the run directory
-    epoch: float = 0.0  # epochs trained, a fraction mid-epoch
-    step: int = 0
-    skipped: list[str] = field(default_factory=list)  # newer checkpoints that failed verification, and why
+
+def check_before_ray(config: Config, run_path: str) -> None:
+    """Raise RunBusy if another live driver trains the run, ConfigError for a tracking server that
+    cannot be used or paths that would not outlast the job: seconds, before Ray starts."""
+    lease.check(run_path)
+    server = tracking.check_server(config.mlflow.tracking_uri)
+    if problems := check_lasting_paths(config) + ([server] if server else []):
+        raise ConfigError(config.job, problems)
+
+
+def check(plan: Plan) -> None:
+    """Everything else that can rule the run out without starting a worker, reported at once."""
+    config = plan.config
+    problems = (
+        check_recipe(config, plan.recipe, plan.example)
+        + check_resources(config, plan.datasets)
+        + storage.check_shared(config.run.storage_path)
+    )
+    if plan.resume.saved_config is not None:
+        problems += [
+            f"{conflict} (resuming {plan.run_path}; or start a new run: run.name=null)"
+            for conflict in resume_conflicts(plan.resume.saved_config, config)
+        ]
+    if problems:
+        raise ConfigError(config.job, problems)
 
 
 def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor]) -> list[str]:
@@ -111,20 +154,16 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     return problems
 
 
-def check_resume(config: Config, run_path: str) -> tuple[Resume, list[str]]:
-    """Where the run stands (its newest checkpoint that verifies), and what `config` changes that a
-    resume must keep. Raises NoValidCheckpoint if the run has checkpoints and none verifies."""
-    try:
-        result = ray.train.Result.from_path(run_path)
-    except RuntimeError:  # no run directory, or nothing committed in it yet: a new run
-        return Resume(), []
-    if not result.best_checkpoints:
-        return Resume(), []
-    with ckpt.open_first_verified(ckpt.newest_first(result.best_checkpoints)) as opened:
-        metrics = opened.verified.metrics()
-        resume = Resume(opened.name, float(metrics["epoch"]), int(metrics["step"]), [str(s) for s in opened.skipped])
-        conflicts = resume_conflicts(opened.verified.config(), config)
-    return resume, [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
+def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:
+    """What `config` changes, against the config saved in the run's latest checkpoint, that a resume
+    may not change; one line per key."""
+    before = {".".join(path): value for path, value in flatten(saved).items()}
+    after = config.flat()
+    return [
+        f"{key}: was {before.get(key)!r} when the run started, now {after.get(key)!r}; a resumed run keeps it"
+        for key in sorted(set(before) | set(after))
+        if before.get(key) != after.get(key) and not key.startswith(RESUMABLE)
+    ]
 
 
 def _node_shapes(config) -> list[tuple[dict[str, float], int]]:

@@ -102,8 +102,9 @@ def find_job(job: str) -> JobFiles:
     raise RecipeError(f"unknown job '{job}'; known jobs: {known}; or pass a path to a job's .py or .yaml file")
 
 
-def load(job: str) -> Recipe:
-    files = find_job(job)
+def load(job: str | JobFiles) -> Recipe:
+    """Import a job's recipe (a name, a path, or the files `find_job` found) and check its contract."""
+    files = job if isinstance(job, JobFiles) else find_job(job)
     module = _import(files)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:

@@ -14,15 +14,27 @@ from __future__ import annotations
 
 import secrets
 import socket
+from pathlib import Path
 
 import pyarrow.fs
 
 PROBE_TIMEOUT_S = 60.0
 
 
+def is_uri(path: str) -> bool:
+    """Whether a storage path is a URI (s3://bucket/prefix), not a path on this machine."""
+    return "://" in path
+
+
+def absolute(path: str) -> str:
+    """A path made absolute (the controller and the workers do not share the driver's working
+    directory); a URI as given, less a trailing slash."""
+    return path.rstrip("/") if is_uri(path) else str(Path(path).expanduser().resolve())
+
+
 def locate(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """The filesystem of a storage path or URI, and the path within it."""
-    if "://" in path:
+    if is_uri(path):
         return pyarrow.fs.FileSystem.from_uri(path)
     return pyarrow.fs.LocalFileSystem(), path
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,7 @@ def check_server(tracking_uri: str, connect_timeout_s: float = 3.0, answer_timeo
     that refuses the credentials, is reported in seconds, before anything trains (MLflow's own client
     retries for minutes). A server that accepts the connection gets `answer_timeout_s` to answer: a
     busy server's first call can be slow. Returns the problem, or None; never shows credentials."""
-    if not tracking_uri.startswith(("http://", "https://")):
+    if not is_server(tracking_uri):
         return None
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
@@ -117,34 +118,50 @@ def _network_reason(error: BaseException | None, connect_timeout_s: float, answe
     return type(error).__name__
 
 
+def is_server(tracking_uri: str) -> bool:
+    """A tracking server (HTTP), not a store this process opens itself (a database, say)."""
+    return tracking_uri.startswith(("http://", "https://"))
+
+
 def ui_command(tracking_uri: str) -> str:
-    if tracking_uri.startswith(("http://", "https://")):
+    if is_server(tracking_uri):
         return f"open {tracking_uri}"
     return f"mlflow ui --backend-store-uri {tracking_uri}"
 
 
-def open_store(tracking_uri: str) -> None:
-    """Open the tracking store once in this process (MLflow keeps it): for a database, a second or
-    two of imports, connecting and checking the schema, which `driver.run` spends on a thread while
-    Ray starts. Only a server or a database that exists: creating one here would leave it behind
-    when a later check refuses the run. Errors are left to the calls that follow, which report them."""
+@contextlib.contextmanager
+def opening_store(tracking_uri: str) -> Iterator[None]:
+    """Open the tracking store in this process (MLflow keeps it) on a thread while the block runs: for
+    a database, a second or two of imports, connecting and checking the schema, spent while Ray starts.
+    Only a server or a database that exists: creating one here would leave it behind when a later
+    check refuses the run. Errors are left to the calls that follow, which report them."""
     scheme, _, rest = tracking_uri.partition(":")
-    if not (scheme in ("http", "https") or scheme == "sqlite" and Path(rest.removeprefix("///")).is_file()):
+    if not (is_server(tracking_uri) or scheme == "sqlite" and Path(rest.removeprefix("///")).is_file()):
+        yield
         return
+
+    def open_store() -> None:
+        try:
+            MlflowClient(tracking_uri).search_experiments(max_results=1)
+        except Exception:  # noqa: BLE001
+            pass
+
+    thread = threading.Thread(target=open_store, name="mlflow-open-store", daemon=True)
+    thread.start()
     try:
-        MlflowClient(tracking_uri).search_experiments(max_results=1)
-    except Exception:  # noqa: BLE001
-        pass
+        yield
+    finally:
+        thread.join()
 
 
-def start_run(config: Config) -> str:
-    """The MLflow run of this training run: created on the first attempt, continued when the run
-    resumes. Params are the flattened config; a value changed on resume (train.epochs, say: see
-    config.RESUMABLE) is kept as a tag, since MLflow params cannot change."""
+def start_run(config: Config, run_path: str) -> str:
+    """The MLflow run of the training run at `run_path`: created on the first attempt, continued when
+    the run resumes. Params are the flattened config; a value changed on resume (train.epochs, say:
+    see preflight.RESUMABLE) is kept as a tag, since MLflow params cannot change."""
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
-    name, path = config.run.name, f"{config.run.storage_path}/{config.run.name}"
+    name, path = config.run.name, run_path
     identity = f"tags.`{RUN_NAME_TAG}` = '{name}' and tags.`{RUN_PATH_TAG}` = '{path}'"
     found = client.search_runs([experiment_id], filter_string=identity, max_results=1)
     params = {key: str(value) for key, value in config.flat().items()}
@@ -168,6 +185,14 @@ def start_run(config: Config) -> str:
 
 def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
     MlflowClient(config.mlflow.tracking_uri).set_terminated(run_id, status)
+
+
+def end_failed_run(config: Config, run_id: str, status: Literal["FAILED", "KILLED"]) -> None:
+    """Mark the MLflow run ended on the way out of a failure, without hiding that failure."""
+    try:
+        finish_run(config, run_id, status)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
 
 
 class MLflowMetrics(ray.train.UserCallback):

@@ -1,12 +1,20 @@
-"""Shared fixtures: one real local Ray for the whole session, and a private workspace per run."""
+"""Shared by both tiers: each test's tier as a marker, and a private workspace per run.
+
+tests/unit     no Ray: config, checkpoints, leases, update rules, refusals  (pytest -m unit)
+tests/system   end to end on a real local Ray, MLflow stores and servers    (pytest -m system)
+"""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(item.path.parent.name)  # "unit" or "system": the tier is where the test lives
 
 
 @dataclass(frozen=True)
@@ -52,16 +60,6 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line("|" + "---|" * len(columns))
     for row in SCENARIOS:
         terminalreporter.write_line("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    """A local Ray shared by every test that trains: a cold start costs 10-20 s on 2 cores."""
-    import ray
-
-    ray.init(log_to_driver=False, logging_level=logging.ERROR)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System packages the tests need beyond the Python lock file: an OpenSSH server and rsync, for
-# tests/test_ray_up.py (`ray up` with provider: local against sshd on loopback). Idempotent: does
+# tests/system/test_ray_up.py (`ray up` with provider: local against sshd on loopback). Idempotent: does
 # nothing when both are there; installs them where it can (root with apt-get); else says what to install.
 #
 #   bash tests/system-deps.sh
@@ -17,5 +17,5 @@ if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
   echo "tests/system-deps.sh: apt-get could not install openssh-server and rsync" >&2
   exit 0
 fi
-echo "tests/system-deps.sh: install openssh-server (for /usr/sbin/sshd) and rsync to run tests/test_ray_up.py" >&2
+echo "tests/system-deps.sh: install openssh-server (for /usr/sbin/sshd) and rsync to run tests/system/test_ray_up.py" >&2
 exit 0

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 BIN = Path(sys.executable).parent  # the venv's executables: mlflow, moto_server, ray, raytrain-ddp
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def user_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,16 +1,15 @@
 """Each DDP practice the service offers as config does what it says.
 
 Two kinds of test: whole runs of a tiny recipe (tests/jobs/tiny.py) through `run()`, compared weight
-by weight; and a probe that runs the service's own pieces (`wrap_model`, `Updater`, `WorkerData`)
-inside a real Ray Train worker group of 2 (gloo), reporting what it observed. The optimizer, schedule
-and clipping rules are plain functions, checked directly.
+by weight; and a probe that runs the service's own pieces (`wrap_model`, a training step, `WorkerData`)
+inside a real Ray Train worker group of 2 (gloo), reporting what it observed. (The optimizer, schedule
+and clipping rules are plain functions, checked directly in tests/unit/test_optim.py.)
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -18,10 +17,9 @@ import pytest
 import torch
 
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp.config import ConfigError, TrainSettings, load_config
-from raytrain_ddp.optim import Updater, build_optimizer, lr_factor
+from raytrain_ddp.layering import load_config
 
-TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
+TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
 
 def _final_weights(workspace, *overrides: str) -> dict[str, torch.Tensor]:
@@ -86,7 +84,7 @@ def _probe(loop_config: dict) -> None:
     from raytrain_ddp import data, loop
     from raytrain_ddp.config import DDPSettings, TrainSettings
     from raytrain_ddp.metrics import all_gather
-    from raytrain_ddp.optim import Updater
+    from raytrain_ddp.optim import Accumulation, Updater
 
     seen: dict = {}
     # DDP keyword arguments, as wrap_model passes them.
@@ -118,21 +116,19 @@ def _probe(loop_config: dict) -> None:
         return allreduce_hook(None, bucket)
 
     ddp.register_comm_hook(None, counting_hook)
-    updater = Updater(
-        model, ddp, TrainSettings(grad_accum_steps=4), micro_batches_per_epoch=8, device=torch.device("cpu")
-    )
+    accumulation = Accumulation(micro_batches=8, per_step=4)
+    updater = Updater(model, TrainSettings(grad_accum_steps=4), accumulation.steps, device=torch.device("cpu"))
+    squared = lambda ddp_model, x: ddp_model(x).pow(2).mean()  # noqa: E731
     steps = 0
-    for i in range(8):
-        with updater.sync(i), updater.autocast():
-            loss = ddp(torch.randn(2, 4)).pow(2).mean()
-        updater.backward(loss, i)
-        if updater.ready(i):
-            updater.step()
+    for i in range(8):  # as the loop trains a micro-batch, and steps
+        loop.forward_backward(ddp, squared, torch.randn(2, 4), updater, accumulation, i)
+        if accumulation.ends_step(i):
+            loop.optimizer_step(updater, clip_norm=None)
             steps += 1
     seen["accumulation"] = {"steps": steps, "allreduces": len(allreduces)}
 
     # bf16 autocast on CPU.
-    bf16 = Updater(model, ddp, TrainSettings(precision="bf16"), micro_batches_per_epoch=1, device=torch.device("cpu"))
+    bf16 = Updater(model, TrainSettings(precision="bf16"), steps_per_epoch=1, device=torch.device("cpu"))
     with bf16.autocast():
         seen["bf16_output_dtype"] = str(nn.Linear(4, 4)(torch.randn(2, 4)).dtype)
 
@@ -201,14 +197,6 @@ def test_sync_batchnorm_converts_batchnorm_layers_and_keeps_the_checkpoint_keys(
     assert sorted(converted.state_dict()) == sorted(model.state_dict())  # checkpoints load into the plain model
 
 
-def test_sync_batchnorm_and_fp16_on_cpu_are_refused_with_the_fix():
-    with pytest.raises(ConfigError, match=r"ddp.sync_batchnorm=true needs GPUs .* set scaling.use_gpu=true"):
-        load_config(TINY, overrides=["ddp.sync_batchnorm=true"])
-    with pytest.raises(ConfigError, match=r"train.precision=fp16 needs a GPU .* use bf16 or fp32"):
-        load_config(TINY, overrides=["train.precision=fp16"])
-    assert load_config(TINY, overrides=["ddp.sync_batchnorm=true", "scaling.num_workers=1"]).ddp.sync_batchnorm
-
-
 def test_accumulation_all_reduces_gradients_only_on_the_last_micro_batch_of_a_step(probe):
     assert probe["accumulation"] == {"steps": 2, "allreduces": 2}  # not 8: no_sync on the other 6
 
@@ -225,60 +213,3 @@ def test_torch_dataset_path_splits_reshuffles_per_epoch_and_counts_validation_ro
     assert rank0["epoch0"] != rank0["epoch1"]  # set_epoch reshuffles
     assert rank0["epoch0_again"] == rank0["epoch0"]  # the order is a function of (seed, epoch)
     assert sorted(rank0["val"] + rank1["val"]) == list(range(15))  # no padding, no repeats
-
-
-def test_ray_data_fetches_are_cut_into_the_configured_batches_in_order():
-    from raytrain_ddp.data import split_batches
-
-    rows = torch.arange(13)
-    fetched = [
-        {"x": rows[:8], "y": -rows[:8]},
-        {"x": rows[8:], "y": -rows[8:]},
-    ]  # a fetch of 2 batches, then the short last
-    kept = list(split_batches(iter(fetched), 4, drop_last=False))
-    assert [b["x"].tolist() for b in kept] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12]]
-    assert all(torch.equal(b["y"], -b["x"]) for b in kept)  # columns cut alike
-    dropped = list(split_batches(iter(fetched), 4, drop_last=True))
-    assert [b["x"].tolist() for b in dropped] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-
-
-# ---- optimizer, schedule, clipping ---------------------------------------------------------------
-
-
-def test_weight_decay_applies_to_weight_matrices_not_to_biases_or_norms():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    optimizer = build_optimizer(model, TrainSettings(weight_decay=0.1, lr=0.5))
-    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
-    assert decayed == {id(model[0].weight)}
-    # With zero gradients AdamW only decays: weights shrink by (1 - lr * wd), the rest stays.
-    before = [p.detach().clone() for p in model.parameters()]
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    torch.testing.assert_close(model[0].weight, before[0] * (1 - 0.5 * 0.1))
-    for p, b in zip(list(model.parameters())[1:], before[1:]):
-        torch.testing.assert_close(p, b)
-
-
-def test_lr_schedules_warm_up_linearly_then_decay():
-    cosine = TrainSettings(epochs=2, lr_schedule="cosine", warmup_steps=4)
-    factors = [lr_factor(s, cosine, steps_per_epoch=12) for s in range(24)]
-    assert factors[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
-    assert factors[4] == 1.0 and factors[12] == pytest.approx(0.5 * (1 + math.cos(math.pi * 8 / 20)))
-    assert all(a > b for a, b in zip(factors[4:], factors[5:])) and lr_factor(24, cosine, 12) == pytest.approx(0)
-
-    step = TrainSettings(epochs=6, lr_schedule="step", lr_step_epochs=2, lr_step_gamma=0.1)
-    assert [lr_factor(s, step, steps_per_epoch=5) for s in (0, 9, 10, 19, 20)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
-
-
-def test_gradient_clipping_bounds_the_global_norm_of_each_update():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    train = TrainSettings(optimizer="sgd", momentum=0.0, lr=1.0, grad_clip_norm=0.01)
-    updater = Updater(model, model, train, micro_batches_per_epoch=1, device=torch.device("cpu"))
-    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    updater.backward((model(torch.randn(32, 8)) * 100).pow(2).mean(), 0)
-    norm = updater.step()
-    after = torch.cat([p.detach().flatten() for p in model.parameters()])
-    assert norm > 1.0  # the gradient was large ...
-    assert torch.linalg.vector_norm(after - before) == pytest.approx(0.01, rel=1e-4)  # ... the step is not

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from services import REPO, user_env
 
 from raytrain_ddp import checkpoint as ckpt
@@ -17,7 +16,6 @@ from raytrain_ddp import checkpoint as ckpt
 SIDES = ["A", "B-cold", "B", "B-async", "B'"]
 
 
-@pytest.mark.slow
 def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path):
     tiny = ["dataset.rows=2048", "dataset.val_rows=512", "dataset.block_rows=256", "train.epochs=2"]
     result = subprocess.run(

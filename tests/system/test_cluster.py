@@ -19,8 +19,6 @@ from services import LoopbackCluster, MLflowServer
 from raytrain_ddp import checkpoint
 from raytrain_ddp.tracking import CHECKPOINT_TAG
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -6,14 +6,14 @@ The config `ray up` gets is cluster-local.yaml as committed, with only what a te
 the hosts, the SSH account and key, the token file, the ports (free ones, not Ray's defaults, which
 other Ray instances on this machine may hold), and no setup commands (each host's HOME already puts
 this checkout's venv on PATH; installing the locked 5 GB again would cost minutes; the setup commands
-are checked by tests/test_cluster_config.py).
+are checked by tests/unit/test_cluster_config.py).
 
 This machine is shared with other tests and their Ray, so the test never runs a real `ray stop` (it
 ends every Ray process of the user): each host's shell has a `ray` whose `stop` ends only that host's
 processes, found by its own RAY_TMPDIR in their command lines.
 
     bash tests/system-deps.sh     # openssh-server and rsync
-    .venv/bin/pytest tests/test_ray_up.py
+    .venv/bin/pytest tests/system/test_ray_up.py
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import pytest
 import yaml
 from services import free_port, kill_processes_with, kill_tree, processes_with, wait_for_port
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 VENV_BIN = Path(sys.executable).parent  # the venv running the tests is the one the hosts run
 HEAD, WORKER = "127.0.0.1", "127.0.0.2"
 SSHD = Path("/usr/sbin/sshd")
@@ -151,7 +151,6 @@ def loopback_cluster(tmp_path) -> RayUpCluster:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.slow
 def test_ray_up_submit_train_and_ray_down(loopback_cluster, tmp_path):
     from mlflow import MlflowClient
 

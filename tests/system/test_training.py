@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from raytrain_ddp import ConfigError, load_config, with_overrides
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import ConfigError, load_config
 from raytrain_ddp.metrics import reported_metrics
 
 # Checkpoints ranked by val_loss: accuracy (k/360) ties.
@@ -126,7 +126,7 @@ def test_a_resume_that_would_change_the_computation_is_refused_before_training(s
     from raytrain_ddp import run
 
     summary, config = straight
-    changed = config.with_overrides("train.lr=0.01", "scaling.num_workers=1", "train.epochs=5")
+    changed = with_overrides(config, "train.lr=0.01", "scaling.num_workers=1", "train.epochs=5")
     with pytest.raises(ConfigError) as refused:
         run(changed)
     assert [p.split(":")[0] for p in refused.value.problems] == ["scaling.num_workers", "train.lr"]

@@ -1,51 +1,23 @@
 """A real MLflow tracking server (`mlflow server` on loopback, with MLflow's basic-auth app): training
-over HTTP with credentials from MLflow's environment variables (and never anywhere else), a server
-that cannot be reached before training, one that goes away after it, and `raytrain-ddp register`
-finishing the registration later, once."""
+over HTTP with credentials from MLflow's environment variables (and never anywhere else), wrong
+credentials refused before training, a server that goes away after it, and `raytrain-ddp register`
+finishing the registration later, once. (A server that cannot be reached at all is
+tests/unit/test_tracking_refusals.py's.)"""
 
 from __future__ import annotations
 
-import io
 import re
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pytest
-from rich.console import Console
-from services import BIN, MLflowServer, cli, free_port, user_env, wait_until
+from services import BIN, MLflowServer, cli, user_env, wait_until
 
-from raytrain_ddp import ConfigError, checkpoint, load_config, run
+from raytrain_ddp import checkpoint
 
-TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
-
-
-def test_an_unreachable_tracking_server_is_refused_in_seconds_before_anything_starts(workspace, record):
-    closed = f"http://127.0.0.1:{free_port()}"
-    with socket.socket() as silent, socket.socket() as filler:
-        # A listener whose queue is full drops new connections unanswered, as a firewall does.
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(0)
-        filler.connect(silent.getsockname())
-        firewalled = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        for uri, reason in ((closed, "connection refused"), (firewalled, "no connection within 3 s")):
-            config = load_config(TINY, overrides=workspace.overrides(f"mlflow.tracking_uri={uri}"))
-            started = time.monotonic()
-            with pytest.raises(ConfigError) as refused:
-                run(config, console=Console(file=io.StringIO()))
-
-            took = time.monotonic() - started
-            assert took < 5
-            assert f"mlflow.tracking_uri: the MLflow tracking server {uri} is unreachable ({reason})" in str(
-                refused.value
-            )
-            record(
-                f"MLflow tracking server unreachable: {reason}", attempts=0, versions=0, note=f"refused in {took:.1f} s"
-            )
-    assert not workspace.storage.exists()  # nothing written, nothing started
+TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +27,6 @@ def server(tmp_path_factory):
     server.stop()
 
 
-@pytest.mark.slow
 def test_server_gone_after_training_then_register_later_once(server, workspace, monkeypatch, record):
     """Credentials come from MLFLOW_TRACKING_USERNAME/PASSWORD; wrong ones are refused before
     training. The server is stopped the moment the last checkpoint lands: training still finishes,

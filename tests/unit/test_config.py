@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from raytrain_ddp.config import Config, ConfigError, load_config
+from raytrain_ddp.config import Config, ConfigError
+from raytrain_ddp.layering import load_config, with_overrides
+
+TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
 
 def problems(*overrides: str, job: str = "digits", **kwargs) -> list[str]:
@@ -123,7 +128,7 @@ def test_malformed_overrides_files_and_jobs_are_named(tmp_path):
     listed.write_text("- train.epochs: 2\n")
     assert "must be a mapping of keys to values, got list" in problems(config_file=listed)[0]
     with pytest.raises(ConfigError, match="expected key.sub=value"):
-        load_config("digits").with_overrides("train.epochs")
+        with_overrides(load_config("digits"), "train.epochs")
     unknown = problems(job="no_such_job")[0]
     assert "unknown job 'no_such_job'" in unknown and "digits" in unknown
 
@@ -135,8 +140,16 @@ def test_round_trip_and_frozen():
     assert flat["train.epochs"] == 2 and flat["run.name"] == "abc" and flat["model.num_classes"] == 10
     with pytest.raises(ValidationError, match="frozen"):
         config.train.epochs = 5
-    assert config.with_overrides("train.epochs=7").train.epochs == 7
+    assert with_overrides(config, "train.epochs=7").train.epochs == 7
     assert config.train.epochs == 2
+
+
+def test_sync_batchnorm_and_fp16_on_cpu_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"ddp.sync_batchnorm=true needs GPUs .* set scaling.use_gpu=true"):
+        load_config(TINY, overrides=["ddp.sync_batchnorm=true"])
+    with pytest.raises(ConfigError, match=r"train.precision=fp16 needs a GPU .* use bf16 or fp32"):
+        load_config(TINY, overrides=["train.precision=fp16"])
+    assert load_config(TINY, overrides=["ddp.sync_batchnorm=true", "scaling.num_workers=1"]).ddp.sync_batchnorm
 
 
 def test_cli_help_lists_every_key_with_its_default(capsys):

@@ -13,7 +13,8 @@ import torch
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import TrainSettings
-from raytrain_ddp.optim import Updater
+from raytrain_ddp.loop import forward_backward, optimizer_step
+from raytrain_ddp.optim import Accumulation, Updater
 
 # fp16 turns the grad scaler on, so its state is part of the round trip (CPU scaler: test only; the
 # service allows fp16 on GPUs).
@@ -23,16 +24,15 @@ TRAIN = TrainSettings(lr=0.1, lr_schedule="cosine", warmup_steps=2, epochs=2, pr
 def _parts(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-    return model, Updater(model, model, TRAIN, micro_batches_per_epoch=3, device=torch.device("cpu"))
+    return model, Updater(model, TRAIN, steps_per_epoch=3, device=torch.device("cpu"))
 
 
 def _trained_parts():
     model, updater = _parts(seed=0)
+    squared = lambda model, x: model(x).pow(2).mean()  # noqa: E731
     for i in range(3):
-        with updater.autocast():
-            loss = model(torch.randn(16, 4)).pow(2).mean()
-        updater.backward(loss, i)
-        updater.step()
+        forward_backward(model, squared, torch.randn(16, 4), updater, Accumulation(micro_batches=3, per_step=1), i)
+        optimizer_step(updater, TRAIN.grad_clip_norm)
     return model, updater
 
 

@@ -12,8 +12,6 @@ import pytest
 from services import MLflowServer, S3Server, cli
 from test_cli import TINY
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):

@@ -1,9 +1,9 @@
 """The `ray up` configs (cluster.yaml for AWS, cluster-local.yaml for listed hosts) pass what `ray up`
 itself does to a config before it touches a machine: Ray's defaults filled in (`prepare_config`), then
 Ray's cluster-config schema (`validate_config`), which rejects an unknown or misspelled key. Fast: no
-cluster, no cloud. tests/test_ray_up.py runs cluster-local.yaml for real.
+cluster, no cloud. tests/system/test_ray_up.py runs cluster-local.yaml for real.
 
-    .venv/bin/pytest tests/test_cluster_config.py
+    .venv/bin/pytest tests/unit/test_cluster_config.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 CONFIGS = ["cluster.yaml", "cluster-local.yaml"]
 
 

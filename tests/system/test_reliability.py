@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from raytrain_ddp import ConfigError, load_config
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import ConfigError, load_config
 
-TINY = str(Path(__file__).parent / "jobs" / "tiny.py")
+TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
 # 96 rows over 2 workers, batch 8: 6 steps an epoch, 18 in all. A checkpoint every 4 steps and at each
 # epoch's end: steps 4, 6 | 8, 12 | 16, 18. Every switch that takes randomness or state is on
@@ -89,7 +89,6 @@ def straight(ray_session, module_workspace):
     return _run(module_workspace, "run.name=straight")
 
 
-@pytest.mark.slow
 def test_the_uninterrupted_run_checkpoints_every_4_steps_and_at_each_epoch_end(straight):
     run_dir = Path(straight.run_path)
     assert _checkpoints(run_dir) == {
@@ -117,7 +116,6 @@ def test_the_uninterrupted_run_checkpoints_every_4_steps_and_at_each_epoch_end(s
     assert not torch.equal(weights["body.0.weight"], untrained["body.0.weight"])
 
 
-@pytest.mark.slow
 def test_workers_killed_right_after_a_report_and_mid_epoch_resume_exactly(straight, workspace, record):
     """Rank 1 exits at its first pass after the epoch-1 report (the checkpoint just reported must not
     be lost), then is SIGKILLed at step 11, 3 steps after the step-8 checkpoint: the run resumes twice
@@ -152,7 +150,6 @@ def test_workers_killed_right_after_a_report_and_mid_epoch_resume_exactly(straig
     )
 
 
-@pytest.mark.slow
 def test_a_fault_that_repeats_stops_after_max_failures_plus_one_attempts(ray_session, workspace, record):
     from mlflow.tracking import MlflowClient
 
@@ -214,7 +211,6 @@ def test_a_run_that_cannot_go_on_stops_at_once_and_keeps_its_best_checkpoint(
     )
 
 
-@pytest.mark.slow
 def test_a_damaged_checkpoint_is_skipped_for_the_newest_that_verifies(straight, workspace, record):
     from raytrain_ddp import RunFailed
 

@@ -1,4 +1,5 @@
-"""Every job in jobs/ trains on 2 CPU workers and meets its quality bar; every job's YAML loads.
+"""Every job in jobs/ trains on 2 CPU workers and meets its quality bar. (That every job's YAML loads
+is tests/unit/test_job_configs.py's.)
 
 Data that does not ship with scikit-learn is written by the tests in the format the job reads: IDX
 files (FashionMNIST's format, here holding scikit-learn's real digit scans), a generated text, and a
@@ -15,19 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from raytrain_ddp import ConfigError, load_config
 from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import ConfigError, load_config
-
-JOBS = ("breast_cancer", "char_gpt", "digits", "fashion_mnist", "regression", "two_tower")
-
-
-def test_every_job_has_a_recipe_and_a_yaml_that_loads():
-    assert sorted(recipes.available_jobs()) == sorted(JOBS)
-    for job in JOBS:
-        config = load_config(job)
-        assert config.job == job and config.scaling.num_workers == 2
-        header = recipes.find_job(job).yaml.read_text().split("\n\n")[0]
-        assert f"raytrain-ddp train {job}" in header and "ray job submit" in header, f"{job}.yaml header"
 
 
 def test_a_dataset_path_without_the_data_is_refused_before_anything_is_written(ray_session, workspace, tmp_path):
@@ -51,6 +41,7 @@ def _train(workspace, job: str, *overrides: str):
     return run(load_config(job, overrides=workspace.overrides(*overrides)))
 
 
+@pytest.mark.smoke  # the one end-to-end run of `make test-quick`: plan, checks, fit, register, summary
 def test_breast_cancer_counts_every_sample_and_batch_and_reaches_93_percent(ray_session, workspace):
     summary = _train(workspace, "breast_cancer")
 
@@ -68,7 +59,6 @@ def test_regression_mlp_beats_predicting_the_mean(ray_session, workspace):
     assert summary.metrics["val_mse"] < 0.7 * summary.metrics["val_baseline_mse"]
 
 
-@pytest.mark.slow
 def test_fashion_mnist_reads_idx_files_from_the_dataset_path_and_learns(ray_session, workspace, tmp_path):
     from sklearn.datasets import load_digits
 
@@ -89,7 +79,6 @@ def test_fashion_mnist_reads_idx_files_from_the_dataset_path_and_learns(ray_sess
     assert summary.metrics["val_accuracy"] >= 0.85
 
 
-@pytest.mark.slow
 def test_char_gpt_learns_a_text_reports_tokens_and_logs_a_sample(ray_session, workspace, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -107,7 +96,6 @@ def test_char_gpt_learns_a_text_reports_tokens_and_logs_a_sample(ray_session, wo
     assert summary.artifacts == ["sample.txt"] and len(Path(sample).read_text()) > 100
 
 
-@pytest.mark.slow
 def test_two_tower_recall_at_10_beats_the_popularity_baseline(ray_session, workspace, tmp_path):
     table = tmp_path / "interactions.parquet"
     _write_interactions(table, users=1000, items=500, groups=20, per_user=24, seed=0)

@@ -1,0 +1,169 @@
+"""A run's plan: everything decided before training, resolved once from the loaded config and then
+read by the rest of the run (the checks, the trainer, registration and the summary).
+
+    make(config):  the recipe the config was loaded with
+                   -> names and paths: run name, <storage_path>/<name>, tracking URI, MLflow names
+                   -> what can be refused before Ray starts (preflight.check_before_ray)
+                   -> Ray: the recipe's datasets, two validation rows, where the run stands
+                   -> the commands that resume the run, and train it longer
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp import data, layering, preflight, session, storage, tracking
+from raytrain_ddp.config import Config, ConfigError
+from raytrain_ddp.errors import RunFailed
+from raytrain_ddp.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run stands: the checkpoint training continues from (None for a new run)."""
+
+    checkpoint: str | None = None  # its name in the run directory
+    epoch: float = 0.0  # epochs trained, a fraction mid-epoch
+    step: int = 0
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints that failed verification, and why
+    saved_config: dict[str, Any] | None = None  # the config it was written with
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run, decided: what the checks, the trainer, registration and the summary all read."""
+
+    config: Config  # resolved: run name, absolute storage path and tracking URI, MLflow names
+    recipe: Recipe
+    run_path: str  # <storage_path>/<run name>: the run's checkpoints, Ray's record of them, the lease
+    datasets: dict[str, Any]  # the recipe's {"train", "val"}: Ray Datasets or torch Datasets
+    train_rows: int
+    example: dict[str, torch.Tensor]  # two validation rows: the pre-flight input and the model's input example
+    batches_per_epoch: int  # micro-batches each worker trains an epoch
+    resume: ResumePoint
+    resume_command: str  # continues this run
+    extend_command: str  # continues it with train.epochs=N: trains it longer
+
+
+def make(config: Config, *, verbose: bool, console: Console) -> Plan:
+    """The plan of a run of `config`. Raises RunBusy or ConfigError before Ray starts where it can,
+    ConfigError for a recipe that cannot build its datasets, RunFailed for a run whose checkpoints
+    are all damaged."""
+    origin = layering.origin_of(config)
+    config = _resolve(config, origin.recipe.name)
+    run_path = f"{config.run.storage_path}/{config.run.name}"
+    preflight.check_before_ray(config, run_path)
+    with tracking.opening_store(config.mlflow.tracking_uri):
+        with console.status("Starting Ray…"):
+            session.connect(verbose)
+        with console.status("Building datasets…"):
+            datasets = _build_datasets(config, origin.recipe)
+            train_rows = data.num_rows(datasets["train"])
+            example = data.example_batch(datasets["val"])
+    t = config.train
+    return Plan(
+        config=config,
+        recipe=origin.recipe,
+        run_path=run_path,
+        datasets=datasets,
+        train_rows=train_rows,
+        example=example,
+        batches_per_epoch=data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last),
+        resume=_resume_point(run_path, config.run.name),
+        resume_command=resume_command(config),
+        extend_command=resume_command(config, epochs="N"),
+    )
+
+
+def finished_config(run_path: str, tracking_uri: str | None) -> Config:
+    """The config a finished run was trained with, from its newest checkpoint that verifies, with the
+    run where it is now (a run directory may have been moved) and, if given, another tracking server.
+    A run that has not finished training is refused, with the command that resumes it."""
+    run_path = storage.absolute(run_path)
+    storage_path, name = run_path.rsplit("/", 1)
+    record = ckpt.run_record(run_path)
+    if record is None:
+        raise ConfigError(name, [f"{run_path}: no committed checkpoint there; give the directory of a run"])
+    with ckpt.open_resume_point(record.checkpoint, record.best_checkpoints) as latest:
+        saved = Config.from_dict(latest.verified.config())
+        epoch = latest.verified.metrics()["epoch"]
+    config = saved.model_copy(
+        update={
+            "run": saved.run.model_copy(update={"storage_path": storage_path, "name": name}),
+            "mlflow": saved.mlflow.model_copy(update={"tracking_uri": tracking_uri or saved.mlflow.tracking_uri}),
+        }
+    )
+    if epoch < config.train.epochs:
+        resume = resume_command(_resolve(config, layering.origin_of(config).recipe.name))
+        raise ConfigError(
+            config.job,
+            [f"run {name} has not finished training (epoch {epoch:g} of {config.train.epochs}); resume it: {resume}"],
+        )
+    return config
+
+
+def resume_command(config: Config, *, epochs: str | None = None) -> str:
+    """The command that continues the run of a resolved `config`: its name, and every setting that
+    differs from its job's own YAML (a resumed run must keep them), resolved as from the current
+    directory; `epochs`, if given, replaces train.epochs."""
+    job_yaml = _with_name(layering.job_config(config), config.run.name)
+    overrides = layering.overrides_against(config, _resolve(job_yaml, layering.origin_of(config).recipe.name))
+    if epochs is not None:
+        overrides = [o for o in overrides if not o.startswith("train.epochs=")] + [f"train.epochs={epochs}"]
+    return shlex.join(["raytrain-ddp", "train", config.job, f"run.name={config.run.name}", *overrides])
+
+
+def _with_name(config: Config, name: str | None) -> Config:
+    return config.model_copy(update={"run": config.run.model_copy(update={"name": name})})
+
+
+def _resolve(config: Config, job_name: str) -> Config:
+    """Fill what defaults to 'decide at run time': run name, absolute paths, MLflow names."""
+    run_name = config.run.name or f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    run = {"name": run_name, "storage_path": storage.absolute(config.run.storage_path)}
+    mlflow = {
+        "tracking_uri": tracking.resolve_tracking_uri(config.mlflow.tracking_uri),
+        "experiment": config.mlflow.experiment or job_name,
+        "model_name": config.mlflow.model_name or job_name,
+    }
+    return config.model_copy(
+        update={"run": config.run.model_copy(update=run), "mlflow": config.mlflow.model_copy(update=mlflow)}
+    )
+
+
+def _build_datasets(config: Config, recipe: Recipe) -> dict[str, Any]:
+    """The recipe's datasets; a recipe that cannot build them (a missing file, say) is a config problem:
+    reported like one, before anything is started or written."""
+    try:
+        datasets = recipe.build_datasets(seed=config.seed, **config.dataset)
+    except Exception as e:  # noqa: BLE001 - whatever the recipe raises, with its own message
+        raise ConfigError(config.job, [f"recipe {recipe.name}: build_datasets failed: {type(e).__name__}: {e}"]) from e
+    try:
+        return data.check_datasets(datasets, config.job)
+    except TypeError as e:
+        raise ConfigError(config.job, [str(e)]) from None
+
+
+def _resume_point(run_path: str, run_name: str) -> ResumePoint:
+    record = ckpt.run_record(run_path)
+    if record is None:
+        return ResumePoint()
+    try:
+        with ckpt.open_resume_point(record.checkpoint, record.best_checkpoints) as opened:
+            metrics = opened.verified.metrics()
+            skipped = [str(s) for s in opened.skipped]
+            return ResumePoint(
+                opened.name, float(metrics["epoch"]), int(metrics["step"]), skipped, opened.verified.config()
+            )
+    except ckpt.NoValidCheckpoint as e:
+        raise RunFailed(
+            f"run {run_name} cannot resume: {e}\nrestore the files, or start a new run (run.name=null)"
+        ) from None

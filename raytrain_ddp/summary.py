@@ -1,0 +1,62 @@
+"""What a run returns and prints when it ends: `RunSummary`, and its table on the console."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from raytrain_ddp import tracking
+from raytrain_ddp.console import is_quality_metric, throughput
+from raytrain_ddp.plan import ResumePoint
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_name: str
+    run_path: str  # <storage_path>/<run name>: the checkpoints
+    epochs: int  # epochs completed
+    workers: int
+    metrics: dict[str, Any]  # reported with the best checkpoint: the registered model's
+    final_metrics: dict[str, Any]  # of the last epoch
+    best_checkpoint: str
+    model: tracking.RegisteredModel
+    mlflow_run_id: str
+    artifacts: list[str]  # the recipe's text artifacts in the MLflow run
+    tracking_uri: str
+    ui_command: str
+    extend_command: str  # resumes the run with train.epochs=N: train it longer
+    wall_time_s: float
+    resumed: ResumePoint  # where this driver found the run: a new run, or its checkpoint
+    attempts: int  # 1 + restarts of the workers after failures
+    failures: list[str]  # one line per failed attempt: which rank failed, how, and where it restarted
+
+
+def show(console: Console, summary: RunSummary) -> None:
+    best = summary.metrics
+    rows = [(f"{k} (global)", f"{v:.4f}") for k, v in best.items() if is_quality_metric(k, v) and k != "train_loss"]
+    rows += [
+        ("validation samples", f"{best.get('val_samples')} (each counted once across {summary.workers} workers)"),
+        ("throughput", f"{throughput(summary.final_metrics)} (last epoch)"),
+        ("best checkpoint", f"{summary.best_checkpoint}  (epoch {best.get('epoch'):.4g}, step {best.get('step')})"),
+        ("registered model", f"{summary.model.name}  version {summary.model.version}"),
+        ("model URI", summary.model.uri),
+        ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
+        *([("artifacts", ", ".join(summary.artifacts))] if summary.artifacts else []),
+        ("MLflow UI", summary.ui_command),
+        ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
+    ]
+    resumed = summary.resumed
+    if resumed.checkpoint:
+        rows.insert(0, ("resumed from", f"{resumed.checkpoint} (epoch {resumed.epoch:.4g}, step {resumed.step})"))
+    if summary.failures:
+        restarts = "; ".join(f"{i}: {failure}" for i, failure in enumerate(summary.failures, 1))
+        rows.insert(0, ("attempts", f"{summary.attempts}, after failures: {restarts}"))
+    minutes, seconds = divmod(round(summary.wall_time_s), 60)
+    epochs = f"{summary.epochs} epoch{'s' if summary.epochs != 1 else ''}"
+    console.print(f"\n[bold]{summary.run_name}[/] finished: {epochs} in {minutes}m {seconds:02d}s")
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        console.print(f"  [bold]{key:<{width}}[/]  {escape(value)}", soft_wrap=True, highlight=False)

@@ -1,0 +1,59 @@
+"""What the command line refuses or prints without training: `raytrain_ddp.cli.main` in this process,
+in a clean working directory, as `raytrain-ddp ARGS` runs it. (Training from the command line, in a
+fresh process, is tests/system/test_cli.py's.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from raytrain_ddp.cli import main
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def raytrain_ddp(capsys, monkeypatch):
+    def run(*args: str, cwd) -> Result:
+        monkeypatch.chdir(cwd)
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's refusals
+            code = e.code
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return run
+
+
+def test_bad_config_fails_before_anything_is_created(raytrain_ddp, tmp_path):
+    result = raytrain_ddp("train", "digits", "train.epochs=-1", "model.num_clases=3", cwd=tmp_path)
+
+    assert result.returncode == 2
+    assert "invalid configuration for job 'digits' (2 problem(s))" in result.stderr
+    assert "train.epochs: Input should be greater than or equal to 1 (got -1, from command line)" in result.stderr
+    assert "model.num_clases: unknown key" in result.stderr and "did you mean 'num_classes'?" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory, no MLflow store
+
+
+def test_overrides_may_follow_an_option(raytrain_ddp, tmp_path):
+    """`train JOB --config FILE key=value`: argparse alone would reject the override after the option."""
+    layer = tmp_path / "layer.yaml"
+    layer.write_text("train:\n  lr: 0.005\n")
+    result = raytrain_ddp("train", "digits", "--config", str(layer), "train.epochs=7", "--print-config", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert "  epochs: 7\n" in result.stdout and "  lr: 0.005\n" in result.stdout
+    refused = raytrain_ddp("train", "digits", "train.epochs=7", "--nonsense", cwd=tmp_path)
+    assert refused.returncode == 2 and "unrecognized arguments: --nonsense" in refused.stderr
+
+
+def test_jobs_lists_the_flagship(raytrain_ddp, tmp_path):
+    result = raytrain_ddp("jobs", cwd=tmp_path)
+    assert result.returncode == 0 and "digits" in result.stdout.split()

@@ -1,0 +1,60 @@
+"""The update rules the worker loop applies, checked directly: weight decay, LR schedules, gradient
+clipping, and how micro-batches group into optimizer steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raytrain_ddp.config import TrainSettings
+from raytrain_ddp.loop import forward_backward, optimizer_step
+from raytrain_ddp.optim import Accumulation, Updater, build_optimizer, lr_factor
+
+
+def test_weight_decay_applies_to_weight_matrices_not_to_biases_or_norms():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = build_optimizer(model, TrainSettings(weight_decay=0.1, lr=0.5))
+    decayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    assert decayed == {id(model[0].weight)}
+    # With zero gradients AdamW only decays: weights shrink by (1 - lr * wd), the rest stays.
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    torch.testing.assert_close(model[0].weight, before[0] * (1 - 0.5 * 0.1))
+    for p, b in zip(list(model.parameters())[1:], before[1:]):
+        torch.testing.assert_close(p, b)
+
+
+def test_lr_schedules_warm_up_linearly_then_decay():
+    cosine = TrainSettings(epochs=2, lr_schedule="cosine", warmup_steps=4)
+    factors = [lr_factor(s, cosine, steps_per_epoch=12) for s in range(24)]
+    assert factors[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert factors[4] == 1.0 and factors[12] == pytest.approx(0.5 * (1 + math.cos(math.pi * 8 / 20)))
+    assert all(a > b for a, b in zip(factors[4:], factors[5:])) and lr_factor(24, cosine, 12) == pytest.approx(0)
+
+    step = TrainSettings(epochs=6, lr_schedule="step", lr_step_epochs=2, lr_step_gamma=0.1)
+    assert [lr_factor(s, step, steps_per_epoch=5) for s in (0, 9, 10, 19, 20)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
+
+
+def test_gradient_clipping_bounds_the_global_norm_of_each_update():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    train = TrainSettings(optimizer="sgd", momentum=0.0, lr=1.0, grad_clip_norm=0.01)
+    updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    loud = lambda model, x: (model(x) * 100).pow(2).mean()  # noqa: E731
+    forward_backward(model, loud, torch.randn(32, 8), updater, Accumulation(micro_batches=1, per_step=1), i=0)
+    norm = optimizer_step(updater, train.grad_clip_norm)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert norm > 1.0  # the gradient was large ...
+    assert torch.linalg.vector_norm(after - before) == pytest.approx(0.01, rel=1e-4)  # ... the step is not
+
+
+def test_micro_batches_group_into_steps_of_grad_accum_steps_and_the_last_step_takes_the_rest():
+    accumulation = Accumulation(micro_batches=7, per_step=3)
+    assert [i for i in range(7) if accumulation.ends_step(i)] == [2, 5, 6]
+    assert [accumulation.step_size(i) for i in range(7)] == [3, 3, 3, 3, 3, 3, 1]
+    assert accumulation.steps == 3
