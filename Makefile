@@ -11,8 +11,10 @@ UV := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 	python3 -m venv .tools
 	.tools/bin/pip install --quiet uv==$(UV_VERSION)
 
+# --compile-bytecode: Python caches nothing where PYTHONDONTWRITEBYTECODE is set (as on CI machines), and
+# every process (each Ray worker) would compile torch, ray and transformers again: ~10 s per import.
 install: $(UV)
-	$(UV) sync --locked
+	$(UV) sync --locked --compile-bytecode
 
 # The venv's own executables, not `uv run`: under `uv run`, Ray starts every worker through
 # `uv run` as well, which fails when uv is not on PATH (as with .tools/bin/uv).

@@ -2,7 +2,9 @@
 
 A checkpoint is a directory:
 
-    model.pt        state_dict of the unwrapped model (never the DDP wrapper's)
+    model.pt        state_dict of the unwrapped model (never the DDP wrapper's); of a model with frozen
+                    parameters (LoRA adapters on a pretrained base), only what trains: the frozen
+                    parameters are the recipe's build_model's, rebuilt on load
     train_state.pt  optimizer, LR-schedule and grad-scaler state; where training stands (epochs, steps and
                     micro-batches of the current epoch done); every rank's RNG state and epoch counters
     config.json     the resolved run config
@@ -73,7 +75,7 @@ def save(
 ) -> None:
     """Write a complete checkpoint into an empty `directory` (rank 0 only)."""
     directory = Path(directory)
-    torch.save(model.state_dict(), directory / MODEL_FILE)
+    torch.save(model_weights(model), directory / MODEL_FILE)
     torch.save(asdict(state), directory / STATE_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     (directory / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
@@ -82,6 +84,28 @@ def save(
         name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in files
     }
     (directory / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": manifest}, indent=2))
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of `model`: its state_dict less the frozen parameters (none, for most)."""
+    frozen = _frozen(model)
+    return {name: tensor for name, tensor in model.state_dict().items() if name not in frozen}
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's weights into a freshly built `model`: every entry must fit, and only frozen
+    parameters may be missing."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    trained_missing = sorted(set(missing) - _frozen(model))
+    if unexpected or trained_missing:
+        raise CheckpointError(
+            f"the checkpoint's weights do not fit the model: missing {trained_missing[:5]}, "
+            f"unexpected {unexpected[:5]}; was it written by another model config?"
+        )
+
+
+def _frozen(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def verify(directory: str | Path) -> None:

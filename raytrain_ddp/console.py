@@ -20,7 +20,7 @@ from ray.util.queue import Empty, Queue
 from rich.console import Console
 from rich.markup import escape
 
-from raytrain_ddp.metrics import STOPPED
+from raytrain_ddp.metrics import GENERATED, STOPPED
 from raytrain_ddp.optim import optimizer_steps
 
 if TYPE_CHECKING:
@@ -115,6 +115,9 @@ class LiveProgress:
             else f"  step {m['step']:>5} (epoch {epoch:.2f})"
         )
         self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {throughput(m)}[/]{best}")
+        for sample in m.get(GENERATED, [])[:1]:  # what the model says now, in a line
+            said = " ".join(sample.get("generated", "").split())
+            self.console.print(f"  [dim]generated:[/] {escape(said[:100])}", highlight=False)
         self._status.update(f"Training… epoch {epoch:.4g}/{self.epochs}")
 
     def _failed(self, errors: dict[int, str], latest: str | None) -> None:

@@ -113,6 +113,7 @@ def _trainer(plan: Plan, run_id: str, relay: ui.ProgressRelay) -> TorchTrainer:
             "config": config.to_dict(),
             "recipe": plan.recipe,
             "batches_per_epoch": plan.batches_per_epoch,
+            "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
             "torch_datasets": None if ray_data else plan.datasets,  # shipped to every worker with the loop
         },
         scaling_config=ScalingConfig(

@@ -66,7 +66,7 @@ def with_overrides(config: Config, *overrides: str) -> Config:
 def job_config(config: Config) -> Config:
     """The config of `config`'s job as its YAML sets it, before any other layer."""
     origin = origin_of(config)
-    return _validate(Origin(origin.recipe, origin.job_layers))
+    return _validate(Origin(origin.recipe, origin.job_layers), complete=False)
 
 
 def origin_of(config: Config) -> Origin:
@@ -86,7 +86,9 @@ def overrides_against(config: Config, base: Config) -> list[str]:
     return [f"{key}={_yaml_value(value)}" for key, value in config.flat().items() if before.get(key) != value]
 
 
-def _validate(origin: Origin) -> Config:
+def _validate(origin: Origin, complete: bool = True) -> Config:
+    """The config of `origin`'s layers, every problem at once; not `complete`: a recipe keyword that
+    no layer sets, and that has no default (a model's path, say), is left out instead of refused."""
     merged: dict[str, Any] = {}
     sources: dict[tuple, str] = {}
     for layer in (*origin.job_layers, *origin.layers):
@@ -103,7 +105,11 @@ def _validate(origin: Origin) -> Config:
         try:
             recipe_kwargs[section] = schema.model_validate(merged.get(section) or {}).model_dump()
         except ValidationError as e:
-            problems += [_describe(err, sources, prefix=(section,), schema=schema) for err in e.errors()]
+            errors = [err for err in e.errors() if complete or err["type"] != "missing"]
+            problems += [_describe(err, sources, prefix=(section,), schema=schema) for err in errors]
+            if not errors:
+                defaults = {name: f.default for name, f in schema.model_fields.items() if not f.is_required()}
+                recipe_kwargs[section] = defaults | (merged.get(section) or {})
     if problems:
         raise ConfigError(job, problems)
     config = config.model_copy(update=recipe_kwargs)

@@ -34,7 +34,7 @@ from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data
 from raytrain_ddp.config import Config, DDPSettings
-from raytrain_ddp.metrics import STOPPED, EpochMeter, all_gather, combine
+from raytrain_ddp.metrics import GENERATED, STOPPED, EpochMeter, all_gather, combine
 from raytrain_ddp.optim import Accumulation, Updater
 from raytrain_ddp.recipe import Recipe
 
@@ -53,6 +53,7 @@ class Worker:
     updater: Updater
     accumulation: Accumulation
     retrained: frozenset[str]  # damaged checkpoints training passes again: it writes `<name>-retrained`
+    example: dict[str, torch.Tensor]  # two validation rows: what the model generates from at each evaluation
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     # 1. Build the same model on every rank, wrap it in DDP, then optimizer, schedule and precision.
     torch.manual_seed(config.seed)
-    model = recipe.build_model(**config.model)
+    model = recipe.make_model(config)
     ddp_model = wrap_model(model, config.ddp)
     updater = Updater(model, config.train, accumulation.steps, device)
 
@@ -95,8 +96,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     else:
         start = ckpt.TrainingState(epoch=0, step=0, updater={}, rng=[])
         _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank))
-    worker = Worker(config, recipe, rank, worker_data, model, updater, accumulation, retrained)
-    step, blocked = start.step, Blocked()
+    worker = Worker(config, recipe, rank, worker_data, model, updater, accumulation, retrained, loop_config["example"])
+    step, blocked, step_count = start.step, Blocked(), None
 
     # 3. Train: one optimizer step per `accumulation.per_step` micro-batches. Evaluate and checkpoint
     #    every checkpoint.every_n_steps steps and at the end of each epoch.
@@ -108,12 +109,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         ddp_model.train()
         epoch_batches = itertools.islice(worker_data.train_batches(epoch), first, None)
         for i, batch in enumerate(meter.timed(epoch_batches), start=first):
-            loss = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
-            meter.add_batch(loss, _rows(batch), recipe.count_tokens(batch) if recipe.count_tokens else None)
+            loss_sum, count, summed = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
+            meter.add_batch(loss_sum, count, _rows(batch), recipe.count_tokens(batch) if recipe.count_tokens else None)
+            step_count = (0 if step_count is None else step_count) + count if summed else None
             if not accumulation.ends_step(i):
                 continue
-            meter.add_step(optimizer_step(updater, config.train.grad_clip_norm))
-            step += 1
+            meter.add_step(optimizer_step(updater, config.train.grad_clip_norm, step_count))
+            step, step_count = step + 1, None
             if every and step % every == 0 and i + 1 < accumulation.micro_batches:
                 blocked = evaluate_and_checkpoint(worker, Position(epoch, i + 1, step), meter, blocked)
                 if blocked is None:
@@ -130,30 +132,40 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 def forward_backward(
     ddp_model: torch.nn.Module,
-    compute_loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+    compute_loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], Any],
     batch: dict[str, torch.Tensor],
     updater: Updater,
     accumulation: Accumulation,
     i: int,
-) -> torch.Tensor:
-    """Micro-batch `i` of the epoch: the forward pass under autocast, then the backward pass of its
-    share of the step's loss (so K micro-batches of B rows average like one batch of K x B). DDP
-    all-reduces the gradients on a step's last micro-batch only; before it they accumulate locally."""
+) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
+    """Micro-batch `i` of the epoch: the forward pass under autocast, then the backward pass. A mean
+    loss is divided by the micro-batches of its step (K micro-batches of B rows average like one batch
+    of K x B); a loss the recipe sums over `count` items is back-propagated as a sum, and
+    `optimizer_step` divides the step's gradient by the global count. DDP all-reduces the gradients on
+    a step's last micro-batch only; before it they accumulate locally. Returns (loss sum, what it
+    sums over, whether the recipe summed it)."""
     last = accumulation.ends_step(i)
     with contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") else ddp_model.no_sync():
         with updater.autocast():
             loss = compute_loss(ddp_model, batch)
-        updater.scaler.scale(loss / accumulation.step_size(i)).backward()
-    return loss
+        summed = isinstance(loss, tuple)
+        updater.scaler.scale(loss[0] if summed else loss / accumulation.step_size(i)).backward()
+    if summed:
+        return loss[0].detach(), loss[1], True
+    rows = _rows(batch)
+    return loss.detach() * rows, rows, False
 
 
-def optimizer_step(updater: Updater, clip_norm: float | None) -> torch.Tensor:
-    """Unscale the gradients, clip them to a global L2 norm of `clip_norm`, step, zero them, and
-    advance the schedule. Returns the norm before clipping, as a tensor on the device (reading it
-    would wait for the GPU); with fp16, inf or nan when the gradients overflowed: the scaler then
-    skips the step, and so does the schedule."""
+def optimizer_step(updater: Updater, clip_norm: float | None, count: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Unscale the gradients (and, for a summed loss, divide them by `count` summed over every rank),
+    clip them to a global L2 norm of `clip_norm`, step, zero them, and advance the schedule. Returns
+    the norm before clipping, as a tensor on the device (reading it would wait for the GPU); with
+    fp16, inf or nan when the gradients overflowed: the scaler then skips the step, and so does the
+    schedule."""
     optimizer, scaler = updater.optimizer, updater.scaler
     scaler.unscale_(optimizer)
+    if count is not None:
+        _divide_gradients(updater.parameters, count, updater.device)
     norm = torch.nn.utils.clip_grad_norm_(updater.parameters, clip_norm or math.inf)
     scale = scaler.get_scale() if scaler.is_enabled() else None
     scaler.step(optimizer)
@@ -162,6 +174,18 @@ def optimizer_step(updater: Updater, clip_norm: float | None) -> torch.Tensor:
     if scale is None or scaler.get_scale() >= scale:  # a lowered scale means a skipped step
         updater.scheduler.step()
     return norm.detach()
+
+
+def _divide_gradients(parameters: list[torch.nn.Parameter], count: torch.Tensor | int, device: torch.device) -> None:
+    """DDP averaged the ranks' gradient sums: times world size / global count, they are the gradient
+    of the mean over every item of the global batch. One all-reduce of one number per step."""
+    total = torch.as_tensor(count, dtype=torch.float32, device=device).clone()
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        world = dist.get_world_size()
+    grads = [p.grad for p in parameters if p.grad is not None]
+    torch._foreach_mul_(grads, world / total.clamp(min=1))
 
 
 def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blocked: Blocked) -> Blocked | None:
@@ -181,6 +205,8 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
             "epoch_time_s": meter.epoch_time_s(),
             **asdict(blocked),
         }
+        if recipe.generate_samples is not None and worker.rank == 0:  # rank 0's report is the one logged
+            metrics[GENERATED] = _generate(model, recipe, worker.example, worker.data.device)
         problem = _stop_reason(metrics, config.checkpoint.score_attribute)
         if problem is not None:
             ray.train.report({**metrics, STOPPED: problem})
@@ -214,12 +240,22 @@ def evaluate(model: torch.nn.Module, recipe: Recipe, batches: Iterator[dict[str,
                 sums[name] = (s + float(total), n + int(count))
             rows += _rows(batch)
     parts = all_gather((rows, sums))  # a rank that saw no batch still takes part
-    metrics: dict[str, Any] = {"samples": sum(r for r, _ in parts), "samples_per_worker": [r for r, _ in parts]}
+    means = {}
     for name in sorted({name for _, part in parts for name in part}):
         total = sum(part[name][0] for _, part in parts if name in part)
         count = sum(part[name][1] for _, part in parts if name in part)
-        metrics[name] = total / max(count, 1)
-    return metrics
+        means[name] = total / max(count, 1)
+    derived = recipe.derived_metrics(means) if recipe.derived_metrics is not None and means else {}
+    return {"samples": sum(r for r, _ in parts), "samples_per_worker": [r for r, _ in parts], **means, **derived}
+
+
+def _generate(
+    model: torch.nn.Module, recipe: Recipe, example: dict[str, torch.Tensor], device: torch.device
+) -> list[dict[str, str]]:
+    """What the model generates from the example rows (the recipe says how), in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        return recipe.generate_samples(model, {name: column.to(device) for name, column in example.items()})
 
 
 def _resume(
@@ -240,7 +276,7 @@ def _resume(
             raise ckpt.CheckpointError(
                 f"the ranks found different checkpoints valid ({chosen}): is the storage shared?"
             )
-        model.load_state_dict(opened.verified.model_state())
+        ckpt.load_weights(model, opened.verified.model_state())
         state = opened.verified.training_state()
     if len(state.rng) != world_size:
         raise RuntimeError(

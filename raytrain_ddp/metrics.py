@@ -41,10 +41,11 @@ TRAIN_METRICS = (
 )
 TOKEN_METRICS = ("train_tokens", "tokens_per_s")
 STOPPED = "stopped"  # only in a report without a checkpoint: why the workers stop the run (see loop.py)
+GENERATED = "generated"  # only in rank 0's report, with a recipe's generate_samples: [{column: text}]
 
 
 def reported_metrics(val_names: Iterable[str], counts_tokens: bool) -> set[str]:
-    """The keys of every report, given the names the recipe's `evaluate` returns."""
+    """The keys of every report, given the names the recipe's `evaluate` (and derived_metrics) return."""
     return {*TRAIN_METRICS, *(TOKEN_METRICS if counts_tokens else ()), *(f"val_{name}" for name in val_names)}
 
 
@@ -54,6 +55,7 @@ class EpochMeter:
     (`state_dict`), so a resumed epoch reports the same totals as an uninterrupted one."""
 
     loss_sum: float = 0.0
+    loss_count: float = 0.0  # what loss_sum sums over: rows, or the recipe's count (trained tokens, say)
     samples: int = 0
     tokens: int = 0
     batches: int = 0
@@ -69,6 +71,7 @@ class EpochMeter:
         # Loss and gradient-norm sums not yet read back from the device: reading one per step would
         # make the host wait for the GPU every step. `settle` reads them once, at a report.
         self._pending_loss: torch.Tensor | float = 0.0
+        self._pending_count: torch.Tensor | float = 0.0
         self._pending_norm: torch.Tensor | float = 0.0
 
     def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -94,8 +97,9 @@ class EpochMeter:
         finally:
             self._paused_s += time.perf_counter() - started
 
-    def add_batch(self, loss: torch.Tensor, samples: int, tokens: int | None) -> None:
-        self._pending_loss = self._pending_loss + loss.detach().float() * samples
+    def add_batch(self, loss_sum: torch.Tensor, count: torch.Tensor | int, samples: int, tokens: int | None) -> None:
+        self._pending_loss = self._pending_loss + loss_sum.detach().float()
+        self._pending_count = self._pending_count + count
         self.samples += samples
         self.tokens += tokens or 0
         self.batches += 1
@@ -105,10 +109,11 @@ class EpochMeter:
         self.steps += 1
 
     def settle(self) -> None:
-        """Fold the sums still on the device into loss_sum and grad_norm_sum (one device sync)."""
+        """Fold the sums still on the device into loss_sum, loss_count and grad_norm_sum (one device sync)."""
         self.loss_sum += float(self._pending_loss)
+        self.loss_count += float(self._pending_count)
         self.grad_norm_sum += float(self._pending_norm)
-        self._pending_loss, self._pending_norm = 0.0, 0.0
+        self._pending_loss, self._pending_count, self._pending_norm = 0.0, 0.0, 0.0
 
     def epoch_time_s(self) -> float:
         return self.earlier_s + time.perf_counter() - self._started
@@ -126,7 +131,7 @@ def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dic
     samples = sum(p.samples for p in parts)
     busy = max(p.data_wait_s + p.compute_s for p in parts)  # the slowest rank sets the pace
     metrics = {
-        "train_loss": sum(p.loss_sum for p in parts) / max(samples, 1),
+        "train_loss": sum(p.loss_sum for p in parts) / max(sum(p.loss_count for p in parts), 1e-12),
         "grad_norm": meter.grad_norm_sum / max(meter.steps, 1),  # of the all-reduced gradient: rank-independent
         "train_samples": samples,
         "train_samples_per_worker": [p.samples for p in parts],

@@ -143,7 +143,7 @@ def _build_datasets(config: Config, recipe: Recipe) -> dict[str, Any]:
     """The recipe's datasets; a recipe that cannot build them (a missing file, say) is a config problem:
     reported like one, before anything is started or written."""
     try:
-        datasets = recipe.build_datasets(seed=config.seed, **config.dataset)
+        datasets = recipe.make_datasets(config)
     except Exception as e:  # noqa: BLE001 - whatever the recipe raises, with its own message
         raise ConfigError(config.job, [f"recipe {recipe.name}: build_datasets failed: {type(e).__name__}: {e}"]) from e
     try:

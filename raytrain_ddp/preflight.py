@@ -73,17 +73,23 @@ def check(plan: Plan) -> None:
 
 
 def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor]) -> list[str]:
-    """The recipe runs on two validation rows, returns a scalar loss, and reports the score metric."""
-    try:
-        model = recipe.build_model(**config.model).eval()
+    """The recipe runs on two validation rows, returns a scalar loss (or a sum and its count), and
+    reports the score metric. A recipe with a model too big for the driver is run on its architecture
+    alone (build_empty_model, on PyTorch's meta device): shapes and contract, not values."""
+    try:  # a model on the meta device takes the CPU rows and computes on meta tensors
+        model = recipe.make_model(config, empty=recipe.holds_large_model).eval()
         with torch.no_grad():
             loss = recipe.compute_loss(model, example)
-            val_names = recipe.evaluate(model, example).keys()
+            val_names = list(recipe.evaluate(model, example).keys())
     except Exception as e:  # noqa: BLE001 - the recipe's own message says what is wrong
         return [f"recipe {recipe.name} fails on two validation rows: {type(e).__name__}: {e}"]
     problems = []
-    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
-        problems.append(f"recipe {recipe.name}: compute_loss must return a scalar tensor, got {loss!r:.80}")
+    if not (_is_scalar(loss) or isinstance(loss, tuple) and len(loss) == 2 and _is_scalar(loss[0])):
+        problems.append(
+            f"recipe {recipe.name}: compute_loss must return a scalar tensor (a mean) or (sum, count), got {loss!r:.80}"
+        )
+    if recipe.derived_metrics is not None:
+        val_names += list(recipe.derived_metrics(dict.fromkeys(val_names, 1.0)))
     reported = reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)
     if config.checkpoint.score_attribute not in reported:
         problems.append(
@@ -91,6 +97,10 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
             f"choose one of: {', '.join(sorted(reported))}"
         )
     return problems
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim == 0
 
 
 def check_lasting_paths(config: Config) -> list[str]:

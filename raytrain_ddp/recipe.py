@@ -14,6 +14,24 @@ and, optionally:
 
     count_tokens(batch) -> int                             # tokens in a batch: reports tokens/s
     artifacts(model) -> {file name: text}                  # logged to MLflow with the registered model
+    derived_metrics({name: global value}) -> {name: value} # from evaluate's means, e.g. perplexity = exp(loss)
+    generate_samples(model, batch) -> [{column: text}]     # rank 0, at each evaluation, on two validation
+                                                           # rows: logged to MLflow as the table generated.json
+    build_empty_model(**model) -> torch.nn.Module          # the architecture without weights (meta device):
+                                                           # the driver checks the recipe with it and never
+                                                           # builds the real model; registration runs as a
+                                                           # Ray task with a worker's resources
+    log_model(model, *, name) -> mlflow ModelInfo          # how the model is logged (e.g. mlflow.transformers),
+                                                           # inside the service's MLflow run; then model_input
+                                                           # is not needed
+
+`compute_loss` may also return `(sum, count)`: a loss summed over `count` items (tokens, say) of the
+batch. The service then divides each optimizer step's gradient by the count of the whole global batch
+(every micro-batch on every rank), so the step is the mean over items however they fall into rows,
+micro-batches and workers.
+
+Besides its YAML keys, `build_model` gets `precision` (train.precision) and `build_datasets` gets
+`model` (the model's settings: where its tokenizer is, say) if they name those parameters.
 
 The YAML's `model:` and `dataset:` mappings are those keyword arguments, validated against the
 signatures (types, and pydantic constraints such as `Annotated[float, Field(gt=0, lt=1)]`) before Ray
@@ -29,13 +47,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray.cloudpickle
 from pydantic import BaseModel, ConfigDict, create_model
 
-REQUIRED = ("build_model", "build_datasets", "compute_loss", "evaluate", "model_input")
-OPTIONAL = ("count_tokens", "artifacts")
+if TYPE_CHECKING:
+    import torch
+
+    from raytrain_ddp.config import Config
+
+REQUIRED = ("build_model", "build_datasets", "compute_loss", "evaluate")
+OPTIONAL = (
+    "model_input",
+    "count_tokens",
+    "artifacts",
+    "derived_metrics",
+    "generate_samples",
+    "build_empty_model",
+    "log_model",
+)
+# Keywords the service passes beside the YAML's, to the functions that name them.
+SERVICE_KWARGS = {"build_model": ("precision",), "build_datasets": ("seed", "model")}
 JOBS_DIR = "jobs"
 
 
@@ -59,17 +92,35 @@ class Recipe:
     build_datasets: Callable[..., Any]
     compute_loss: Callable[..., Any]
     evaluate: Callable[..., Any]
-    model_input: Callable[..., Any]
+    model_input: Callable[..., Any] | None = None
     count_tokens: Callable[..., int] | None = None
     artifacts: Callable[..., dict[str, str]] | None = None
+    derived_metrics: Callable[..., dict[str, float]] | None = None
+    generate_samples: Callable[..., list[dict[str, str]]] | None = None
+    build_empty_model: Callable[..., Any] | None = None
+    log_model: Callable[..., Any] | None = None
 
     @property
     def model_kwargs(self) -> type[BaseModel]:
-        return _kwargs_schema(self.build_model, skip=())
+        return _kwargs_schema(self.build_model, skip=SERVICE_KWARGS["build_model"])
 
     @property
     def dataset_kwargs(self) -> type[BaseModel]:
-        return _kwargs_schema(self.build_datasets, skip=("seed",))
+        return _kwargs_schema(self.build_datasets, skip=SERVICE_KWARGS["build_datasets"])
+
+    @property
+    def holds_large_model(self) -> bool:
+        """Whether the driver must not build the model (the recipe gives its architecture instead)."""
+        return self.build_empty_model is not None
+
+    def make_model(self, config: Config, *, empty: bool = False) -> torch.nn.Module:
+        """build_model (or, `empty`, build_empty_model) with the config's model settings."""
+        kwargs = _with_service_kwargs(self.build_model, dict(config.model), precision=config.train.precision)
+        return (self.build_empty_model if empty else self.build_model)(**kwargs)
+
+    def make_datasets(self, config: Config) -> Any:
+        kwargs = _with_service_kwargs(self.build_datasets, dict(config.dataset), model=dict(config.model))
+        return self.build_datasets(seed=config.seed, **kwargs)
 
 
 def job_search_path() -> list[Path]:
@@ -107,6 +158,8 @@ def load(job: str | JobFiles) -> Recipe:
     files = job if isinstance(job, JobFiles) else find_job(job)
     module = _import(files)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if not callable(getattr(module, "log_model", None)) and not callable(getattr(module, "model_input", None)):
+        missing.append("model_input (or log_model)")
     if missing:
         raise RecipeError(f"recipe {files.recipe} must define {', '.join(missing)} (see raytrain_ddp/recipe.py)")
     not_callable = [
@@ -136,6 +189,12 @@ def _import(files: JobFiles) -> ModuleType:
         # Ship the recipe's code to the workers with its functions instead of requiring jobs/ there.
         ray.cloudpickle.register_pickle_by_value(module)
     return module
+
+
+def _with_service_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], **service: Any) -> dict[str, Any]:
+    """`kwargs`, plus those of the service's keywords that `fn` names."""
+    names = inspect.signature(fn).parameters
+    return kwargs | {k: v for k, v in service.items() if k in names}
 
 
 def _kwargs_schema(fn: Callable[..., Any], skip: tuple[str, ...]) -> type[BaseModel]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import ray
 import ray.train
 import torch
 from rich.console import Console
@@ -21,9 +23,11 @@ from rich.markup import escape
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import lease, session, tracking
 from raytrain_ddp import plan as planning
+from raytrain_ddp.config import Config
 from raytrain_ddp.console import one_line
 from raytrain_ddp.errors import RegistrationFailed
 from raytrain_ddp.plan import Plan
+from raytrain_ddp.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -77,21 +81,45 @@ def register_best(
 
 
 def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console) -> Registration:
-    config, recipe = plan.config, plan.recipe
+    config = plan.config
     score, order = config.checkpoint.score_attribute, config.checkpoint.score_order
-    ranked = sorted(checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")
-    model = recipe.build_model(**config.model)
-    with ckpt.open_first_verified(checkpoint for checkpoint, _ in ranked) as best:
-        for skipped in best.skipped:
-            console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(skipped))}")
-        model.load_state_dict(best.verified.model_state())
+    ranked = [checkpoint for checkpoint, _ in sorted(checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")]
+    if plan.recipe.holds_large_model:  # where the memory is: a task with a training worker's resources
+        s = config.scaling
+        task = ray.remote(register_checkpoint).options(
+            num_cpus=s.resources_per_worker.get("CPU", 1.0), num_gpus=1 if s.use_gpu else 0, max_retries=0
+        )
+        registration, skipped = ray.get(task.remote(config, plan.recipe, ranked, plan.example, run_id))
+    else:
+        registration, skipped = register_checkpoint(config, plan.recipe, ranked, plan.example, run_id)
+    for damaged in skipped:
+        console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(damaged))}")
+    return registration
+
+
+def register_checkpoint(
+    config: Config,
+    recipe: Recipe,
+    ranked: list[ray.train.Checkpoint],
+    example: dict[str, torch.Tensor],
+    run_id: str,
+) -> tuple[Registration, list[ckpt.Skipped]]:
+    """Build the model, load the first of `ranked` that verifies, log it (the recipe's log_model, else
+    as a PyTorch model with `example` as its input example) with the recipe's artifacts, and register
+    it. Returns the registration and the better checkpoints skipped as damaged."""
+    model = recipe.make_model(config)
+    with ckpt.open_first_verified(ranked) as best:
+        ckpt.load_weights(model, best.verified.model_state())
         metrics = best.verified.metrics()
-    # Two rows, so the exported model keeps a dynamic batch dimension.
-    input_example = recipe.model_input(plan.example).numpy()
-    registered = tracking.register_model(config, run_id, model, input_example, best.location)
+    model.eval()
+    if recipe.log_model is not None:
+        log = partial(recipe.log_model, model)
+    else:  # two rows, so the exported model keeps a dynamic batch dimension
+        log = partial(tracking.log_pytorch_model, model, recipe.model_input(example).numpy())
+    registered = tracking.register_model(config, run_id, best.location, log)
     artifacts = {}
     if recipe.artifacts is not None:
         with torch.no_grad():
-            artifacts = recipe.artifacts(model.eval())
+            artifacts = recipe.artifacts(model)
         tracking.log_texts(config, run_id, artifacts)
-    return Registration(best.location, metrics, registered, sorted(artifacts))
+    return Registration(best.location, metrics, registered, sorted(artifacts)), best.skipped

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +28,14 @@ from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.metrics import STOPPED
+from raytrain_ddp.metrics import GENERATED, STOPPED
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "raytrain_ddp.run_name"
 RUN_PATH_TAG = "raytrain_ddp.run_path"  # <storage_path>/<run name>: with the name, what identifies a run
 CHECKPOINT_TAG = "raytrain_ddp.checkpoint"
 MODEL_ARTIFACT = "model"
+GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
 # MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
 # is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
 BOUNDED_RETRIES = {
@@ -221,7 +222,7 @@ class MLflowMetrics(ray.train.UserCallback):
             for key, value in BOUNDED_RETRIES.items():  # the controller's own process
                 os.environ.setdefault(key, value)
             self._logger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
-        logged = self._logger.submit(self._log, step, batch)
+        logged = self._logger.submit(self._log, step, batch, reported.get(GENERATED))
         if reported["epoch"] >= self.epochs or STOPPED in reported:
             logged.result()
 
@@ -229,9 +230,13 @@ class MLflowMetrics(ray.train.UserCallback):
         if self._logger is not None:  # the run may end here: what was reported is logged first
             self._logger.submit(lambda: None).result()
 
-    def _log(self, step: int, batch: list[Metric]) -> None:
+    def _log(self, step: int, batch: list[Metric], generated: list[dict[str, str]] | None) -> None:
         try:
-            MlflowClient(self.tracking_uri).log_batch(self.run_id, metrics=batch)
+            client = MlflowClient(self.tracking_uri)
+            client.log_batch(self.run_id, metrics=batch)
+            if generated:  # one table for the run, a row per sample and evaluation
+                columns = {key: [row[key] for row in generated] for key in generated[0]}
+                client.log_table(self.run_id, {"step": [step] * len(generated), **columns}, GENERATED_FILE)
         except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
             logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
 
@@ -240,28 +245,19 @@ class MLflowMetrics(ray.train.UserCallback):
 
 
 def register_model(
-    config: Config, run_id: str, model: torch.nn.Module, input_example: np.ndarray, checkpoint_path: str
+    config: Config, run_id: str, checkpoint_path: str, log_model: Callable[[str], Any]
 ) -> RegisteredModel:
-    """Log `model` (the best checkpoint's weights) with a signature and an input example, and register
-    it as a new version of `mlflow.model_name`, unless this run already registered this checkpoint
-    (then that version is returned: registering is idempotent)."""
+    """Log the best checkpoint's model (`log_model(name)`, inside the MLflow run, returns MLflow's
+    ModelInfo) and register it as a new version of `mlflow.model_name`, unless this run already
+    registered this checkpoint (then that version is returned: registering is idempotent)."""
     client = MlflowClient(config.mlflow.tracking_uri)
     name = config.mlflow.model_name
     for version in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
         if version.tags.get(CHECKPOINT_TAG) == checkpoint_path:
             return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
-    model.eval()
-    with torch.no_grad():
-        output = model(torch.from_numpy(input_example)).numpy()
     # Inside: registering a `models:/m-...` source resolves it through MLflow's global tracking URI.
     with _active_run(config.mlflow.tracking_uri, run_id):
-        info = mlflow.pytorch.log_model(
-            model,
-            name=MODEL_ARTIFACT,
-            signature=infer_signature(input_example, output),
-            input_example=input_example,
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-        )
+        info = log_model(name=MODEL_ARTIFACT)
         mlflow.set_tag(CHECKPOINT_TAG, checkpoint_path)
         try:
             client.create_registered_model(name)
@@ -276,6 +272,19 @@ def register_model(
             tags={CHECKPOINT_TAG: checkpoint_path, RUN_NAME_TAG: config.run.name},
         )
     return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+
+
+def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:
+    """The default: an MLflow PyTorch model (an exported program) with a signature and input example."""
+    with torch.no_grad():
+        output = model(torch.from_numpy(input_example)).numpy()
+    return mlflow.pytorch.log_model(
+        model,
+        name=name,
+        signature=infer_signature(input_example, output),
+        input_example=input_example,
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+    )
 
 
 def log_texts(config: Config, run_id: str, texts: dict[str, str]) -> None:

@@ -1,0 +1,319 @@
+"""Supervised fine-tuning (SFT) of a Hugging Face causal language model on chat conversations: LoRA
+adapters by default, every weight with `model.lora_r=0`.
+
+    raytrain-ddp train chat_sft model.path=<local dir or hub id> dataset.path=<conversations .jsonl/.parquet>
+    raytrain-ddp train chat_sft model.path=HuggingFaceTB/SmolLM2-135M-Instruct dataset.path=s3://bucket/chats/ \
+        scaling.use_gpu=true train.precision=bf16 model.gradient_checkpointing=true
+
+Conversations are rows `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`
+(JSONL, or Parquet with that column), read with Ray Data and rendered with the tokenizer's chat template
+(the tokenizer is the one saved with the model). Only the assistant turns are trained, each with its
+end-of-turn token: labels are -100 on system and user turns and on padding. A conversation cut by
+`dataset.max_length` so that no assistant token is left is dropped and counted; a malformed one stops
+the run before training, named.
+
+The loss is a sum over trained tokens with their count (see `compute_loss`), so the service divides a
+step's gradient by the trained tokens of the whole global batch, whatever the lengths, micro-batches
+and workers. Each evaluation reports the loss and perplexity of the assistant tokens (over all ranks)
+and the model's answers to the first validation prompts (MLflow: samples.json). The registered model
+is the best checkpoint's, adapters merged into the base, logged with its tokenizer as an MLflow
+transformers chat model: `mlflow models serve -m models:/chat-sft/<version>` answers chat requests.
+
+The driver never loads the weights: it checks the recipe on the architecture alone (on PyTorch's
+meta device), and registration runs as a Ray task with a worker's resources.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+import pyarrow as pa
+import ray.data
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+IGNORE = -100  # the label of a token that is not trained (cross_entropy's ignore_index)
+ROLES = ("system", "user", "assistant")
+SAMPLE_TOKENS = 48  # at most, per answer to a validation prompt
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+
+def build_model(
+    *,
+    path: str,
+    lora_r: Annotated[int, Field(ge=0)] = 16,
+    lora_alpha: Annotated[float, Field(gt=0)] = 32.0,
+    lora_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05,
+    lora_targets: str | list[str] = "all-linear",
+    gradient_checkpointing: bool = False,
+    precision: str = "fp32",
+) -> nn.Module:
+    """The pretrained model at `path` (a local directory, or a hub id) with LoRA adapters of rank
+    `lora_r` on `lora_targets` (peft's names: "all-linear", or module names such as [q_proj, v_proj]);
+    `lora_r=0` trains every weight. Weights: fp32, except a LoRA base under bf16 precision, kept in
+    bf16 (frozen, half the memory), with fp32 adapters. `precision` is the run's train.precision."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if lora_r and precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return _adapt(model, lora_r, lora_alpha, lora_dropout, lora_targets, gradient_checkpointing)
+
+
+def build_empty_model(*, path: str, precision: str = "fp32", **adapters) -> nn.Module:
+    """The same model on the meta device (build_model's settings, all of them): its architecture and
+    adapters, no weights. The driver checks the recipe with it, so it never holds the real model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    empty = _adapt(empty, **adapters)
+    # With no KV cache, transformers tests the positions for packed sequences, a test of values that
+    # meta tensors cannot answer; the cache's path computes the same shapes.
+    empty.config.use_cache = True
+    return empty
+
+
+def _adapt(model, lora_r, lora_alpha, lora_dropout, lora_targets, gradient_checkpointing) -> nn.Module:
+    model.config.use_cache = False  # no KV cache in training (generation turns it on per call)
+    if gradient_checkpointing:  # non-reentrant: the reentrant form breaks DDP ("marked ready twice")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not lora_r:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=lora_targets, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, lora)
+
+
+def _tokenizer(path: str):
+    # Loaded where it is used (per batch of rows, per evaluation): a cached one would be pickled by name
+    # with the recipe, which workers cannot import.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"model.path={path}: the tokenizer has no chat template; use a chat (instruct) model")
+    return tokenizer
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+
+def build_datasets(
+    *,
+    seed: int,
+    model: dict,
+    path: str,
+    val_path: str | None = None,
+    val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1,
+    max_length: Annotated[int, Field(ge=8)] = 1024,
+    format: Literal["auto", "jsonl", "parquet"] = "auto",
+) -> dict[str, ray.data.Dataset]:
+    """Conversations at `path` (a file or a directory, local or s3://), tokenized with model.path's
+    tokenizer; validation from `val_path`, or `val_fraction` of them held out (chosen by `seed`).
+    `format` auto: .jsonl/.json files are JSON lines, anything else Parquet."""
+    tokenizer_path = model["path"]
+    _tokenizer(tokenizer_path)  # a missing tokenizer or chat template: said here, not in a Ray task
+    train = _read(path, format)
+    if val_path is None:
+        train, val = train.train_test_split(test_size=val_fraction, shuffle=True, seed=seed)
+    else:
+        val = _read(val_path, format)
+    return {
+        "train": _tokenized(train, tokenizer_path, max_length, "dataset.path"),
+        "val": _tokenized(val, tokenizer_path, max_length, "dataset.val_path" if val_path else "dataset.path"),
+    }
+
+
+def _read(path: str, format: str) -> ray.data.Dataset:
+    jsonl = format == "jsonl" or (format == "auto" and Path(path).suffix in (".jsonl", ".json"))
+    return ray.data.read_json(path) if jsonl else ray.data.read_parquet(path)
+
+
+def _tokenized(conversations: ray.data.Dataset, tokenizer_path: str, max_length: int, key: str) -> ray.data.Dataset:
+    """Token ids, labels and length of each conversation, right-padded to `max_length`. Malformed rows
+    stop the run here, named; rows with no assistant token left after truncation are dropped, counted."""
+    if "messages" not in conversations.columns():
+        raise ValueError(f"{key}: no 'messages' column (columns: {conversations.columns()})")
+    rows = conversations.map_batches(
+        _tokenize_batch,
+        fn_kwargs={"tokenizer_path": tokenizer_path, "max_length": max_length},
+        batch_format="pyarrow",
+    ).materialize()
+    problems = np.concatenate(
+        [b["problem"] for b in rows.select_columns(["problem"]).iter_batches(batch_format="numpy")] or [[]]
+    )
+    malformed = [p for p in problems if p and not p.startswith("dropped")]
+    if malformed:
+        shown = "\n  ".join(malformed[:5])
+        raise ValueError(f"{key}: {len(malformed)} malformed conversation(s) of {len(problems)}:\n  {shown}")
+    dropped = sum(1 for p in problems if p)
+    if dropped == len(problems):
+        raise ValueError(f"{key}: no conversation has an assistant token within dataset.max_length={max_length}")
+    if dropped:
+        print(
+            f"{key}: dropped {dropped} of {len(problems)} conversations with no assistant token within "
+            f"dataset.max_length={max_length}"
+        )
+    return rows.map_batches(_kept, batch_format="numpy").materialize()
+
+
+def _kept(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    keep = batch["problem"] == ""
+    return {k: v[keep] for k, v in batch.items() if k != "problem"}
+
+
+def _tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int) -> dict[str, np.ndarray]:
+    tokenizer = _tokenizer(tokenizer_path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    n = batch.num_rows
+    ids, labels = np.full((n, max_length), pad, np.int32), np.full((n, max_length), IGNORE, np.int32)
+    lengths, problems = np.zeros(n, np.int32), []
+    for i, messages in enumerate(batch.column("messages").to_pylist()):
+        try:
+            row_ids, row_labels = tokenize(messages, tokenizer, max_length)
+        except ValueError as e:
+            problems.append(f"{e}: {str({'messages': messages})[:120]}")
+            continue
+        lengths[i] = len(row_ids)
+        ids[i, : len(row_ids)], labels[i, : len(row_ids)] = row_ids, row_labels
+        problems.append("" if any(label != IGNORE for label in row_labels) else "dropped")
+    return {"input_ids": ids, "labels": labels, "length": lengths, "problem": np.array(problems, dtype=object)}
+
+
+def tokenize(messages: object, tokenizer, max_length: int) -> tuple[list[int], list[int]]:
+    """A conversation's token ids and labels, at most `max_length`: every token of each assistant turn
+    (its content and end of turn, as the chat template renders them) is its own label, everything
+    else IGNORE. An assistant turn's tokens are those its message adds to the rendered conversation
+    before it with the generation prompt, so the template must render a prefix of a conversation as a
+    prefix of its tokens (templates that rewrite earlier turns are refused)."""
+    _check(messages)
+
+    def render(turns, prompt=False):
+        return list(
+            tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt, return_dict=False)
+        )
+
+    ids = render(messages)
+    labels = [IGNORE] * len(ids)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, upto = len(render(messages[:k], prompt=True)), render(messages[: k + 1])
+        if ids[: len(upto)] != upto or len(upto) < start:
+            raise ValueError("the tokenizer's chat template does not render a conversation's turns as a prefix")
+        labels[start : len(upto)] = upto[start:]
+    return ids[:max_length], labels[:max_length]
+
+
+def _check(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' is missing or not a non-empty list")
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else None
+            raise ValueError(f"message {j} has role {role!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"message {j} ({message['role']}) has content that is not a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant message")
+
+
+# ---- training and evaluation -------------------------------------------------------------------
+
+
+def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token logits and their labels, cut to the batch's longest conversation. Right padding under
+    a causal mask: no real token sees a pad, so no attention mask is needed."""
+    n = int(batch["length"].max())
+    ids, labels = batch["input_ids"][:, :n].long(), batch["labels"][:, :n].long()
+    logits = model(input_ids=ids).logits
+    return logits[:, :-1], labels[:, 1:].to(logits.device)
+
+
+def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the trained tokens' cross-entropy, their count): the service divides by the count of the
+    whole global batch."""
+    logits, labels = _forward(model, batch)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss, (labels != IGNORE).sum()
+
+
+def evaluate(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per trained (assistant) token: loss in nats, and whether the most likely token is the right one."""
+    logits, labels = _forward(model, batch)
+    trained = labels != IGNORE
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    correct = ((logits.argmax(-1) == labels) & trained).sum()
+    return {"loss": (loss, trained.sum()), "token_accuracy": (correct, trained.sum())}
+
+
+def derived_metrics(val: dict[str, float]) -> dict[str, float]:
+    return {"perplexity": math.exp(min(val["loss"], 50.0))}
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["length"].sum())
+
+
+# ---- what the model says, and how it is registered ---------------------------------------------
+
+
+@torch.no_grad()
+def generate_samples(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[dict[str, str]]:
+    """The model's greedy answer to each row's first prompt (the conversation up to its first assistant
+    turn), beside the reference answer."""
+    tokenizer = _tokenizer(model.name_or_path)
+    out = []
+    for ids, labels, length in zip(batch["input_ids"], batch["labels"], batch["length"]):
+        ids, labels = ids[: int(length)].long(), labels[: int(length)]
+        trained = (labels != IGNORE).nonzero().flatten()
+        start = int(trained[0])
+        end = start + int((trained - trained[0] == torch.arange(len(trained), device=trained.device)).sum())
+        generated = model.generate(
+            input_ids=ids[None, :start],
+            max_new_tokens=SAMPLE_TOKENS,
+            do_sample=False,
+            use_cache=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        )[0, start:]
+        out.append(
+            {
+                "prompt": tokenizer.decode(ids[:start]),
+                "reference": tokenizer.decode(ids[start:end], skip_special_tokens=True),
+                "generated": tokenizer.decode(generated, skip_special_tokens=True),
+            }
+        )
+    return out
+
+
+def log_model(model: nn.Module, *, name: str):
+    """The adapters merged into the base (one plain transformers model), logged with the tokenizer as
+    an MLflow transformers chat model (task llm/v1/chat: OpenAI-style chat requests and answers)."""
+    import mlflow
+    import transformers
+
+    merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    merged.config.use_cache = True
+    tokenizer = _tokenizer(merged.name_or_path)
+    return mlflow.transformers.log_model(
+        transformers_model={"model": merged, "tokenizer": tokenizer},
+        name=name,
+        task="llm/v1/chat",
+        input_example={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16},
+        pip_requirements=[
+            f"torch=={torch.__version__.split('+')[0]}",
+            f"transformers=={transformers.__version__}",
+            f"mlflow=={mlflow.__version__}",
+        ],
+    )
