@@ -1,10 +1,10 @@
 """A tiny chat model and conversations to try `chat_sft` with no download: a Llama-architecture model
 with random weights (2 layers, hidden size 64), a BPE tokenizer trained on the conversations, with a
-chat template, both written with `save_pretrained`; and generated conversations as JSONL.
+chat template, both written with `save_pretrained`; generated conversations as JSONL; and the settings
+that fine-tune this model (a config layered over jobs/chat_sft.yaml).
 
     .venv/bin/python examples/tiny_chat.py tiny-chat
-    raytrain-ddp train chat_sft model.path=tiny-chat/model dataset.path=tiny-chat/train.jsonl \
-        dataset.val_path=tiny-chat/val.jsonl
+    raytrain-ddp train chat_sft --config tiny-chat/chat_sft.yaml
 
 The conversations are small facts about made-up people (favourite colour, city, number) and requests
 to repeat a few words; some open with a system message, some have two or three exchanges. The tests
@@ -18,10 +18,9 @@ import json
 import random
 from pathlib import Path
 
-NAMES = [
-    "Ada", "Bram", "Cleo", "Dmitri", "Esme", "Farid", "Greta", "Hugo", "Iris", "Jonas", "Kira", "Lorenzo",
-    "Mina", "Nils", "Olga", "Pablo", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wim", "Yara",
-]  # fmt: skip
+import yaml
+
+NAMES = ["Ada", "Bram", "Cleo", "Dmitri", "Esme", "Farid", "Greta", "Hugo"]
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
 CITIES = ["Lisbon", "Oslo", "Lima", "Kyoto", "Cairo", "Quito", "Perth", "Riga", "Turin", "Hanoi"]
 WORDS = ["river", "stone", "cloud", "maple", "lantern", "copper", "meadow", "harbor", "violet", "ember"]
@@ -90,6 +89,7 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
+        clean_up_tokenization_spaces=False,
         pad_token="<|pad|>",
         eos_token="<|end|>",
         chat_template=CHAT_TEMPLATE,
@@ -119,9 +119,45 @@ def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int
     return LlamaForCausalLM(config)
 
 
+def settings(directory: Path) -> dict:
+    """chat_sft's settings for this model: every key jobs/chat_sft.yaml sets, so the same file layers
+    over another recipe's defaults alike. A random base needs more than real LoRA fine-tuning: adapters
+    on the output layer too, a high learning rate, no clipping."""
+    return {
+        "model": {
+            "path": str(directory / "model"),
+            "lora_r": 16,
+            "lora_alpha": 32,
+            "lora_dropout": 0.05,
+            "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"],
+            "gradient_checkpointing": False,
+        },
+        "dataset": {
+            "path": str(directory / "train.jsonl"),
+            "val_path": str(directory / "val.jsonl"),
+            "val_fraction": 0.1,
+            "max_length": 128,
+        },
+        "train": {
+            "epochs": 12,
+            "batch_size": 8,
+            "lr": 1.0e-2,
+            "weight_decay": 0.0,
+            "lr_schedule": "cosine",
+            "warmup_steps": 5,
+            "grad_clip_norm": None,
+            "eval_batch_size": 16,
+        },
+        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 0.5}},
+        "checkpoint": {"num_to_keep": 2, "score_attribute": "val_loss", "score_order": "min"},
+        "mlflow": {"model_name": "chat-sft"},
+    }
+
+
 def write(directory: str | Path, *, train: int = 240, val: int = 48) -> Path:
-    """Write `model/` (model and tokenizer), `train.jsonl` and `val.jsonl` into `directory`."""
-    directory = Path(directory)
+    """Write `model/` (model and tokenizer), `train.jsonl`, `val.jsonl` and `chat_sft.yaml` into
+    `directory`."""
+    directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = conversations(train, seed=1), conversations(val, seed=2)
     texts = [m["content"] for row in train_rows + val_rows for m in row["messages"]] + ["user", "assistant", "system"]
@@ -133,14 +169,17 @@ def write(directory: str | Path, *, train: int = 240, val: int = 48) -> Path:
     tokenizer.save_pretrained(directory / "model")
     write_jsonl(directory / "train.jsonl", train_rows)
     write_jsonl(directory / "val.jsonl", val_rows)
+    header = f"# The tiny chat model's settings: raytrain-ddp train chat_sft --config {directory / 'chat_sft.yaml'}\n"
+    (directory / "chat_sft.yaml").write_text(header + yaml.safe_dump(settings(directory), sort_keys=False))
     return directory
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("directory", help="where to write model/, train.jsonl and val.jsonl")
+    parser.add_argument("directory", help="where to write model/, train.jsonl, val.jsonl and chat_sft.yaml")
     parser.add_argument("--train", type=int, default=240, help="training conversations")
     parser.add_argument("--val", type=int, default=48, help="validation conversations")
     args = parser.parse_args()
     out = write(args.directory, train=args.train, val=args.val)
-    print(f"wrote {out}/model (tiny Llama + tokenizer), {out}/train.jsonl, {out}/val.jsonl")
+    print(f"wrote {out}/model (tiny Llama + tokenizer), {out}/train.jsonl, {out}/val.jsonl, {out}/chat_sft.yaml")
+    print(f"train it: raytrain-ddp train chat_sft --config {out}/chat_sft.yaml")

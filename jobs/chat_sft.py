@@ -15,7 +15,7 @@ the run before training, named.
 The loss is a sum over trained tokens with their count (see `compute_loss`), so the service divides a
 step's gradient by the trained tokens of the whole global batch, whatever the lengths, micro-batches
 and workers. Each evaluation reports the loss and perplexity of the assistant tokens (over all ranks)
-and the model's answers to the first validation prompts (MLflow: samples.json). The registered model
+and the model's answers to the first validation prompts (MLflow: generated.json). The registered model
 is the best checkpoint's, adapters merged into the base, logged with its tokenizer as an MLflow
 transformers chat model: `mlflow models serve -m models:/chat-sft/<version>` answers chat requests.
 
@@ -25,6 +25,7 @@ meta device), and registration runs as a Ray task with a worker's resources.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Annotated, Literal
@@ -34,7 +35,7 @@ import pyarrow as pa
 import ray.data
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import AfterValidator, Field
 from torch import nn
 
 IGNORE = -100  # the label of a token that is not trained (cross_entropy's ignore_index)
@@ -42,12 +43,22 @@ ROLES = ("system", "user", "assistant")
 SAMPLE_TOKENS = 48  # at most, per answer to a validation prompt
 
 
+def _absolute_if_local(path: str) -> str:
+    # Made absolute where the config is checked, in the user's directory: workers and Ray Data's tasks
+    # run in others. Hub ids and URIs stay as they are.
+    local = Path(path).expanduser()
+    return str(local.resolve()) if "://" not in path and local.exists() else path
+
+
+Location = Annotated[str, AfterValidator(_absolute_if_local)]  # a local path, a hub id or a URI
+
+
 # ---- model -------------------------------------------------------------------------------------
 
 
 def build_model(
     *,
-    path: str,
+    path: Location,
     lora_r: Annotated[int, Field(ge=0)] = 16,
     lora_alpha: Annotated[float, Field(gt=0)] = 32.0,
     lora_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05,
@@ -112,8 +123,8 @@ def build_datasets(
     *,
     seed: int,
     model: dict,
-    path: str,
-    val_path: str | None = None,
+    path: Location,
+    val_path: Location | None = None,
     val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1,
     max_length: Annotated[int, Field(ge=8)] = 1024,
     format: Literal["auto", "jsonl", "parquet"] = "auto",
@@ -135,15 +146,16 @@ def build_datasets(
 
 
 def _read(path: str, format: str) -> ray.data.Dataset:
-    jsonl = format == "jsonl" or (format == "auto" and Path(path).suffix in (".jsonl", ".json"))
-    return ray.data.read_json(path) if jsonl else ray.data.read_parquet(path)
+    """JSON lines as text, each parsed by the recipe (a row pyarrow could not type, a number for a
+    content say, is then named like any other malformed row); Parquet with its `messages` column."""
+    if format == "jsonl" or (format == "auto" and Path(path).suffix in (".jsonl", ".json")):
+        return ray.data.read_text(path)
+    return ray.data.read_parquet(path, columns=["messages"])
 
 
 def _tokenized(conversations: ray.data.Dataset, tokenizer_path: str, max_length: int, key: str) -> ray.data.Dataset:
     """Token ids, labels and length of each conversation, right-padded to `max_length`. Malformed rows
     stop the run here, named; rows with no assistant token left after truncation are dropped, counted."""
-    if "messages" not in conversations.columns():
-        raise ValueError(f"{key}: no 'messages' column (columns: {conversations.columns()})")
     rows = conversations.map_batches(
         _tokenize_batch,
         fn_kwargs={"tokenizer_path": tokenizer_path, "max_length": max_length},
@@ -178,16 +190,30 @@ def _tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int) -> di
     n = batch.num_rows
     ids, labels = np.full((n, max_length), pad, np.int32), np.full((n, max_length), IGNORE, np.int32)
     lengths, problems = np.zeros(n, np.int32), []
-    for i, messages in enumerate(batch.column("messages").to_pylist()):
+    for i, row in enumerate(_conversations(batch)):
         try:
+            messages = row.get("messages") if isinstance(row, dict) else None
             row_ids, row_labels = tokenize(messages, tokenizer, max_length)
         except ValueError as e:
-            problems.append(f"{e}: {str({'messages': messages})[:120]}")
+            problems.append(f"{e}: {str(row)[:120]}")
             continue
         lengths[i] = len(row_ids)
         ids[i, : len(row_ids)], labels[i, : len(row_ids)] = row_ids, row_labels
         problems.append("" if any(label != IGNORE for label in row_labels) else "dropped")
     return {"input_ids": ids, "labels": labels, "length": lengths, "problem": np.array(problems, dtype=object)}
+
+
+def _conversations(batch: pa.Table) -> list[object]:
+    """The batch's rows as Python objects: parsed JSON lines, or Parquet's `messages` column."""
+    if "messages" in batch.column_names:
+        return [{"messages": messages} for messages in batch.column("messages").to_pylist()]
+    rows = []
+    for line in batch.column("text").to_pylist():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            rows.append(line)  # not JSON: refused as a row without 'messages', shown as it is
+    return rows
 
 
 def tokenize(messages: object, tokenizer, max_length: int) -> tuple[list[int], list[int]]:

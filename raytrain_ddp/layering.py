@@ -45,6 +45,13 @@ class Origin:
 
 def load_config(job: str, *, config_file: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Find `job`, import its recipe, layer the config files and overrides, validate everything."""
+    recipe, job_layers = _job(job)
+    layers = [Layer(str(config_file), _read_yaml(job, Path(config_file)))] if config_file else []
+    return _validate(Origin(recipe, job_layers, (*layers, *_override_layers(job, overrides))))
+
+
+def _job(job: str) -> tuple[recipes.Recipe, tuple[Layer, ...]]:
+    """The job's recipe, imported, and its own layers: the defaults and its YAML."""
     try:
         files = recipes.find_job(job)
         recipe = recipes.load(files)
@@ -53,8 +60,7 @@ def load_config(job: str, *, config_file: str | Path | None = None, overrides: S
     job_layers = [Layer("defaults", {"job": job})]
     if files.yaml:
         job_layers.append(Layer(str(files.yaml), _read_yaml(job, files.yaml)))
-    layers = [Layer(str(config_file), _read_yaml(job, Path(config_file)))] if config_file else []
-    return _validate(Origin(recipe, tuple(job_layers), (*layers, *_override_layers(job, overrides))))
+    return recipe, tuple(job_layers)
 
 
 def with_overrides(config: Config, *overrides: str) -> Config:
@@ -73,10 +79,8 @@ def origin_of(config: Config) -> Origin:
     """How `config` was made; for a config rebuilt from a dict (a checkpoint's), its job is found and
     imported now, and the dict is the layer over the job's own."""
     if config._origin is None:
-        loaded = load_config(config.job)
-        config._origin = Origin(
-            loaded._origin.recipe, loaded._origin.job_layers, (Layer("saved config", config.to_dict()),)
-        )
+        recipe, job_layers = _job(config.job)
+        config._origin = Origin(recipe, job_layers, (Layer("saved config", config.to_dict()),))
     return config._origin
 
 

@@ -109,8 +109,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         ddp_model.train()
         epoch_batches = itertools.islice(worker_data.train_batches(epoch), first, None)
         for i, batch in enumerate(meter.timed(epoch_batches), start=first):
-            loss_sum, count, summed = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
-            meter.add_batch(loss_sum, count, _rows(batch), recipe.count_tokens(batch) if recipe.count_tokens else None)
+            loss = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
+            summed, rows = isinstance(loss, tuple), _rows(batch)
+            loss_sum, count = loss if summed else (loss * rows, rows)  # a mean loss sums over rows
+            meter.add_batch(loss_sum, count, rows, recipe.count_tokens(batch) if recipe.count_tokens else None)
             step_count = (0 if step_count is None else step_count) + count if summed else None
             if not accumulation.ends_step(i):
                 continue
@@ -137,23 +139,20 @@ def forward_backward(
     updater: Updater,
     accumulation: Accumulation,
     i: int,
-) -> tuple[torch.Tensor, torch.Tensor | int, bool]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]:
     """Micro-batch `i` of the epoch: the forward pass under autocast, then the backward pass. A mean
     loss is divided by the micro-batches of its step (K micro-batches of B rows average like one batch
     of K x B); a loss the recipe sums over `count` items is back-propagated as a sum, and
     `optimizer_step` divides the step's gradient by the global count. DDP all-reduces the gradients on
-    a step's last micro-batch only; before it they accumulate locally. Returns (loss sum, what it
-    sums over, whether the recipe summed it)."""
+    a step's last micro-batch only; before it they accumulate locally. Returns the loss as the recipe
+    did, detached."""
     last = accumulation.ends_step(i)
     with contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") else ddp_model.no_sync():
         with updater.autocast():
             loss = compute_loss(ddp_model, batch)
         summed = isinstance(loss, tuple)
         updater.scaler.scale(loss[0] if summed else loss / accumulation.step_size(i)).backward()
-    if summed:
-        return loss[0].detach(), loss[1], True
-    rows = _rows(batch)
-    return loss.detach() * rows, rows, False
+    return (loss[0].detach(), loss[1]) if summed else loss.detach()
 
 
 def optimizer_step(updater: Updater, clip_norm: float | None, count: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -184,8 +183,8 @@ def _divide_gradients(parameters: list[torch.nn.Parameter], count: torch.Tensor 
     if dist.is_initialized():
         dist.all_reduce(total)
         world = dist.get_world_size()
-    grads = [p.grad for p in parameters if p.grad is not None]
-    torch._foreach_mul_(grads, world / total.clamp(min=1))
+    if grads := [p.grad for p in parameters if p.grad is not None]:
+        torch._foreach_mul_(grads, world / total.clamp(min=1))
 
 
 def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blocked: Blocked) -> Blocked | None:

@@ -6,10 +6,17 @@ tests/system   end to end on a real local Ray, MLflow stores and servers    (pyt
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# No Hugging Face hub here: models and tokenizers come from the tests' own directories. Set before the
+# session's Ray starts, so its workers inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(items):
@@ -70,3 +77,12 @@ def workspace(tmp_path: Path) -> Workspace:
 @pytest.fixture(scope="module")
 def module_workspace(tmp_path_factory) -> Workspace:
     return Workspace(tmp_path_factory.mktemp("workspace"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory) -> Path:
+    """examples/tiny_chat.py's output: model/ (a tiny random Llama and its tokenizer), train.jsonl, val.jsonl."""
+    spec = importlib.util.spec_from_file_location("tiny_chat", Path(__file__).parents[1] / "examples" / "tiny_chat.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write(tmp_path_factory.mktemp("tiny-chat"))

@@ -152,8 +152,54 @@ def _probe(loop_config: dict) -> None:
         "val": rows(worker_data.val_batches()),
     }
     seen["torch_path"] = all_gather(mine)
-    if ray.train.get_context().get_world_rank() == 0:  # a local machine: the test reads the file
+
+    # chat_sft's token-summed loss, full fine-tuning: one step of 2 ranks x 4 conversations, and one of 2
+    # ranks x 2 micro-batches x 2; the test compares both with one worker's step over all 8.
+    rank = ray.train.get_context().get_world_rank()
+    rows = torch.arange(rank * 4, rank * 4 + 4)
+    steps = {
+        "ddp": _chat_step(loop_config["chat"], [rows], ddp=True),
+        "ddp_accumulated": _chat_step(loop_config["chat"], [rows[:2], rows[2:]], ddp=True),
+    }
+    if rank == 0:  # a local machine: the test reads the files
         Path(loop_config["out"]).write_text(json.dumps(seen))
+        torch.save(steps, Path(loop_config["out"]).with_name("chat_steps.pt"))
+
+
+def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False) -> dict:
+    """One SGD step of chat_sft's tiny model (every weight trains) over the first 8 training
+    conversations, taken as `micro_batches` (row indices) by the service's forward_backward and
+    optimizer_step; returns the weights after it."""
+    import importlib.util
+
+    from raytrain_ddp import loop
+    from raytrain_ddp.config import DDPSettings, TrainSettings
+    from raytrain_ddp.optim import Accumulation, Updater
+
+    spec = importlib.util.spec_from_file_location("chat_sft_probe", Path(__file__).parents[2] / "jobs" / "chat_sft.py")
+    sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sft)
+    tokenizer = sft._tokenizer(f"{chat_dir}/model")
+    conversations = [json.loads(line) for line in Path(chat_dir, "train.jsonl").read_text().splitlines()[:8]]
+    encoded = [sft.tokenize(c["messages"], tokenizer, max_length=128) for c in conversations]
+    batch = {
+        "input_ids": torch.full((8, 128), tokenizer.pad_token_id),
+        "labels": torch.full((8, 128), sft.IGNORE),
+        "length": torch.tensor([len(ids) for ids, _ in encoded]),
+    }
+    for i, (ids, labels) in enumerate(encoded):
+        batch["input_ids"][i, : len(ids)], batch["labels"][i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
+    model = sft.build_model(path=f"{chat_dir}/model", lora_r=0)
+    trained = loop.wrap_model(model, DDPSettings()) if ddp else model
+    train = TrainSettings(optimizer="sgd", momentum=0.0, lr=0.5, weight_decay=0.0)
+    accumulation = Accumulation(micro_batches=len(micro_batches), per_step=len(micro_batches))
+    updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
+    count = 0
+    for i, rows in enumerate(micro_batches):
+        part = {name: column[rows] for name, column in batch.items()}
+        count = count + loop.forward_backward(trained, sft.compute_loss, part, updater, accumulation, i)[1]
+    loop.optimizer_step(updater, None, count)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
 DDP_KWARGS = {
@@ -166,7 +212,7 @@ DDP_KWARGS = {
 
 
 @pytest.fixture(scope="module")
-def probe(ray_session, tmp_path_factory) -> dict:
+def probe(ray_session, tmp_path_factory, tiny_chat) -> dict:
     import ray.cloudpickle
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -176,12 +222,12 @@ def probe(ray_session, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("probe")
     trainer = TorchTrainer(
         _probe,
-        train_loop_config={"ddp": DDP_KWARGS, "out": str(root / "seen.json")},
+        train_loop_config={"ddp": DDP_KWARGS, "out": str(root / "seen.json"), "chat": str(tiny_chat)},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
         run_config=RunConfig(name="probe", storage_path=str(root)),
     )
     trainer.fit()
-    return json.loads((root / "seen.json").read_text())
+    return {**json.loads((root / "seen.json").read_text()), "chat_steps": torch.load(root / "chat_steps.pt")}
 
 
 def test_ddp_settings_reach_distributed_data_parallel(probe):
@@ -213,3 +259,13 @@ def test_torch_dataset_path_splits_reshuffles_per_epoch_and_counts_validation_ro
     assert rank0["epoch0"] != rank0["epoch1"]  # set_epoch reshuffles
     assert rank0["epoch0_again"] == rank0["epoch0"]  # the order is a function of (seed, epoch)
     assert sorted(rank0["val"] + rank1["val"]) == list(range(15))  # no padding, no repeats
+
+
+def test_a_token_summed_loss_steps_on_2_workers_with_or_without_accumulation_as_1_worker_on_all_rows(probe, tiny_chat):
+    """Conversations of different lengths: the step is the mean over every trained token of the global
+    batch, not a mean of per-worker or per-micro-batch means."""
+    one_worker = _chat_step(str(tiny_chat), [torch.arange(8)])
+    torch.testing.assert_close(probe["chat_steps"]["ddp"], one_worker, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probe["chat_steps"]["ddp_accumulated"], one_worker, rtol=1e-5, atol=1e-6)
+    untrained = _chat_step(str(tiny_chat), [])  # no micro-batch: the weights as loaded
+    assert all(not torch.equal(one_worker[name], untrained[name]) for name in one_worker)  # full: every weight

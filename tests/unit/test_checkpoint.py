@@ -156,3 +156,29 @@ def test_a_run_whose_every_checkpoint_is_damaged_names_each_and_why(tmp_path):
         with ckpt.open_first_verified(checkpoints):
             pass
     assert str(none.value).count("model.pt does not match its checksum") == 3
+
+
+def test_a_model_with_frozen_parameters_checkpoints_only_what_trains_and_loads_back_onto_its_base():
+    """LoRA's case: a frozen base rebuilt by build_model, small trained parts saved and loaded."""
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(0)  # the base: the same every time, like pretrained weights
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 2))
+        model[0].requires_grad_(False)
+        model[1].requires_grad_(False)
+        torch.manual_seed(seed)  # the trained part: different on each build
+        torch.nn.init.normal_(model[2].weight)
+        return model
+
+    trained = build(seed=1)
+    weights = ckpt.model_weights(trained)
+    assert sorted(weights) == ["2.bias", "2.weight"]
+
+    fresh = build(seed=2)
+    ckpt.load_weights(fresh, weights)
+    torch.testing.assert_close(fresh.state_dict(), trained.state_dict())
+
+    with pytest.raises(ckpt.CheckpointError, match=r"missing \['2.weight'\]"):
+        ckpt.load_weights(build(seed=2), {"2.bias": weights["2.bias"]})
+    with pytest.raises(ckpt.CheckpointError, match=r"unexpected \['3.weight'\]"):
+        ckpt.load_weights(build(seed=2), {**weights, "3.weight": torch.zeros(1)})

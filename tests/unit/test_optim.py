@@ -58,3 +58,38 @@ def test_micro_batches_group_into_steps_of_grad_accum_steps_and_the_last_step_ta
     assert [i for i in range(7) if accumulation.ends_step(i)] == [2, 5, 6]
     assert [accumulation.step_size(i) for i in range(7)] == [3, 3, 3, 3, 3, 3, 1]
     assert accumulation.steps == 3
+
+
+def test_a_summed_loss_steps_by_the_mean_over_all_items_of_the_step_however_micro_batches_split_them():
+    """Rows with 1 to 8 valid items each (tokens, say): one step over two micro-batches of uneven item
+    counts equals one step over all rows at once; a mean of the two micro-batches' means would not."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8, 4), torch.randn(8, 8)
+    valid = torch.arange(8)[None, :] < torch.tensor([1, 1, 1, 1, 8, 8, 8, 7])[:, None]
+
+    def summed(model, rows):
+        error = (model(x[rows]).squeeze(-1) - y[rows]).pow(2) * valid[rows]
+        return error.sum(), valid[rows].sum()
+
+    def mean(model, rows):
+        error, count = summed(model, rows)
+        return error / count
+
+    def one_step(loss, micro_batches):
+        torch.manual_seed(1)
+        model = torch.nn.Linear(4, 1)
+        train = TrainSettings(optimizer="sgd", momentum=0.0, lr=0.1, weight_decay=0.0)
+        accumulation = Accumulation(micro_batches=len(micro_batches), per_step=len(micro_batches))
+        updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
+        count = 0
+        for i, rows in enumerate(micro_batches):
+            out = forward_backward(model, loss, rows, updater, accumulation, i)
+            count += out[1] if isinstance(out, tuple) else 0
+        optimizer_step(updater, None, count if loss is summed else None)
+        return model.state_dict()
+
+    whole = one_step(summed, [torch.arange(8)])
+    torch.testing.assert_close(one_step(summed, [torch.arange(4), torch.arange(4, 8)]), whole)
+    torch.testing.assert_close(one_step(mean, [torch.arange(8)]), whole)  # one batch: the same mean
+    with pytest.raises(AssertionError):  # 4 items in the first half, 31 in the second: weighted alike
+        torch.testing.assert_close(one_step(mean, [torch.arange(4), torch.arange(4, 8)]), whole)

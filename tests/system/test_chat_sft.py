@@ -1,0 +1,218 @@
+"""chat_sft end to end on a real local Ray with 2 workers: LoRA fine-tuning of a tiny Llama-architecture
+model (random weights, a tokenizer trained on the conversations: examples/tiny_chat.py), registration as
+an MLflow transformers chat model served over HTTP, exact resume of a worker killed mid-epoch, a
+damaged adapter checkpoint skipped, and malformed conversations refused. No network: HF_HUB_OFFLINE.
+(Token-level loss equivalence across workers and micro-batches: test_ddp.py; masks: unit tier.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from services import BIN, free_port, serve, stop_group, user_env
+
+from raytrain_ddp import ConfigError, load_config
+from raytrain_ddp import checkpoint as ckpt
+
+FAULTS = str(Path(__file__).parents[1] / "jobs" / "chat_faults.py")
+# examples/tiny_chat.py's settings (chat_sft.yaml in its directory): 240 conversations over 2 workers,
+# batch 8, 15 steps an epoch, 180 in all; LoRA on every projection and the output layer, with dropout
+# (an exact resume restores its randomness too). Here also a checkpoint every 20 steps, all kept.
+CHECKPOINTS = ("checkpoint.every_n_steps=20", "checkpoint.num_to_keep=null")
+
+
+def _run(job: str, workspace, chat: Path, *overrides: str):
+    from raytrain_ddp import run
+
+    overrides = workspace.overrides(*CHECKPOINTS, *overrides)
+    return run(load_config(job, config_file=chat / "chat_sft.yaml", overrides=overrides))
+
+
+def _fact_prompts(chat: Path, n: int = 8) -> list[tuple[str, str]]:
+    """(question, trained answer) of the first `n` one-exchange fact conversations of the training set."""
+    rows = [json.loads(line)["messages"] for line in (chat / "train.jsonl").read_text().splitlines()]
+    pairs = {m[0]["content"]: m[1]["content"] for m in rows if len(m) == 2 and "Repeat" not in m[0]["content"]}
+    return list(pairs.items())[:n]
+
+
+@pytest.fixture(scope="module")
+def straight(ray_session, module_workspace, tiny_chat):
+    """The uninterrupted LoRA run the others are compared with."""
+    return _run("chat_sft", module_workspace, tiny_chat, "run.name=straight")
+
+
+def test_lora_fine_tuning_halves_the_assistant_loss_and_trains_only_the_adapters(straight, tiny_chat, record):
+    run_dir = Path(straight.run_path)
+    first = ckpt.open_verified(run_dir / "epoch_0001").metrics()
+    assert straight.final_metrics["val_loss"] < 0.5 * first["val_loss"]
+    assert straight.final_metrics["val_perplexity"] == pytest.approx(
+        torch.tensor(straight.final_metrics["val_loss"]).exp().item()
+    )
+    assert first["val_token_accuracy"] < straight.final_metrics["val_token_accuracy"]
+    assert straight.final_metrics["tokens_per_s"] > 0
+
+    adapters = ckpt.open_verified(run_dir / "epoch_0012").model_state()
+    assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters)  # the base is not saved
+    assert all(adapters[name].abs().sum() > 0 for name in adapters if ".lora_B." in name)  # B starts at 0: trained
+    lora_bytes = (run_dir / "epoch_0012" / ckpt.MODEL_FILE).stat().st_size
+    base_bytes = (tiny_chat / "model" / "model.safetensors").stat().st_size
+    assert lora_bytes < base_bytes
+    record(
+        "chat_sft LoRA run (2 workers, 12 epochs)",
+        attempts=straight.attempts,
+        resumed="-",
+        wasted="-",
+        checkpoints=len([p for p in run_dir.iterdir() if p.is_dir()]),
+        versions=1,
+        note=f"val_loss {first['val_loss']:.2f} -> {straight.final_metrics['val_loss']:.2f}; adapter weights "
+        f"{lora_bytes / 1024:.0f} KiB vs base {base_bytes / 1024:.0f} KiB; "
+        f"{straight.final_metrics['tokens_per_s']:,.0f} tokens/s",
+    )
+
+
+def test_each_evaluation_logs_the_models_answers_to_validation_prompts(straight):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(straight.tracking_uri)
+    table = json.loads(Path(client.download_artifacts(straight.mlflow_run_id, "generated.json")).read_text())
+    columns = table["columns"]
+    rows = [dict(zip(columns, row)) for row in table["data"]]
+    steps = sorted({row["step"] for row in rows})
+    assert steps == sorted({15 * epoch for epoch in range(1, 13)} | {20, 40, 80, 100, 140, 160})  # each evaluation
+    assert {len([r for r in rows if r["step"] == s]) for s in steps} == {2}
+    last = [row for row in rows if row["step"] == steps[-1]]
+    assert all(row["prompt"].endswith("<|start|>assistant\n") and row["reference"] for row in last)
+    assert client.get_metric_history(straight.mlflow_run_id, "val_perplexity")
+
+
+def test_the_registered_model_answers_trained_prompts_offline_and_over_http(straight, tiny_chat, tmp_path):
+    import mlflow
+
+    assert straight.model.uri == "models:/chat-sft/1"
+    mlflow.set_tracking_uri(straight.tracking_uri)
+    model = mlflow.pyfunc.load_model(straight.model.uri)
+    prompts = _fact_prompts(tiny_chat)
+    answers = [_answer(model.predict(_chat_request(question))) for question, _ in prompts]
+    right = sum(answer == expected for answer, (_, expected) in zip(answers, prompts))
+    assert right >= len(prompts) // 2, list(zip(answers, prompts))
+
+    port = free_port()
+    env = user_env({"MLFLOW_TRACKING_URI": straight.tracking_uri, "PATH": f"{BIN}:{user_env()['PATH']}"})
+    command = [BIN / "mlflow", "models", "serve", "-m", straight.model.uri, "--env-manager", "local", "-p", str(port)]
+    server = serve(command, tmp_path / "serve.log", f"http://127.0.0.1:{port}/ping", env)
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations",
+            data=json.dumps(_chat_request(prompts[0][0])).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            served = json.loads(response.read())
+    finally:
+        stop_group(server)
+    assert _answer(served) == answers[0]
+
+
+def test_a_worker_killed_mid_epoch_resumes_exactly(straight, tiny_chat, workspace, record):
+    """Rank 1 is SIGKILLed at its 25th micro-batch: 5 steps after the step-20 checkpoint, in epoch 2."""
+    log = workspace.root / "faults"
+    log.mkdir()
+    faulted = _run(
+        FAULTS,
+        workspace,
+        tiny_chat,
+        "model.kill_rank=1",
+        "model.kill_at=25",
+        f"model.fault_log={log}",
+        "run.max_failures=1",
+        "run.name=faulted",
+    )
+
+    def settings(summary) -> dict:  # what was trained: everything but the job, the fault and where it ran
+        config = ckpt.open_verified(Path(summary.run_path) / "epoch_0012").config()
+        model = {k: v for k, v in config.pop("model").items() if k not in ("kill_rank", "kill_at", "fault_log")}
+        return {**{k: v for k, v in config.items() if k not in ("job", "run", "mlflow")}, "model": model}
+
+    assert settings(faulted) == settings(straight)
+    assert faulted.attempts == 2
+    assert "rank 1: the worker process died" in faulted.failures[0]
+    assert faulted.failures[0].endswith("restarted from epoch_0002-step_0000020")
+    final = ckpt.open_verified(Path(faulted.run_path) / "epoch_0012").model_state()
+    torch.testing.assert_close(
+        final, ckpt.open_verified(Path(straight.run_path) / "epoch_0012").model_state(), rtol=0, atol=0
+    )
+    record(
+        "chat_sft LoRA: worker SIGKILLed mid-epoch (max_failures=1)",
+        attempts=2,
+        resumed="epoch_0002-step_0000020 (step 20)",
+        wasted=24 - 20,
+        checkpoints=len([p for p in Path(faulted.run_path).iterdir() if p.is_dir()]),
+        versions=1,
+    )
+
+
+def test_a_damaged_adapter_checkpoint_is_skipped_and_the_run_resumes_exactly(straight, tiny_chat, workspace, record):
+    """The newest (and best) checkpoint of a copy of the finished run loses a byte: training the run again
+    resumes from the one before, trains the last epoch into a directory of its own, with the
+    uninterrupted run's weights, and registers that."""
+    run_dir = workspace.storage / "straight"
+    shutil.copytree(straight.run_path, run_dir)
+    data = bytearray((run_dir / "epoch_0012" / ckpt.MODEL_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (run_dir / "epoch_0012" / ckpt.MODEL_FILE).write_bytes(bytes(data))
+
+    resumed = _run("chat_sft", workspace, tiny_chat, "run.name=straight")
+
+    assert resumed.resumed.checkpoint == "epoch_0011"
+    assert resumed.resumed.skipped == [
+        "epoch_0012: model.pt does not match its checksum (the bytes changed after it was written)"
+    ]
+    torch.testing.assert_close(
+        ckpt.open_verified(run_dir / "epoch_0012-retrained").model_state(),
+        ckpt.open_verified(Path(straight.run_path) / "epoch_0012").model_state(),
+        rtol=0,
+        atol=0,
+    )
+    assert Path(resumed.best_checkpoint).name == "epoch_0012-retrained"
+    record(
+        "chat_sft LoRA: a flipped byte in the newest (and best) adapter checkpoint",
+        attempts=1,
+        resumed="epoch_0011 (step 165)",
+        wasted=15,
+        checkpoints="19 (1 damaged)",
+        versions=1,
+    )
+
+
+def test_malformed_conversations_are_refused_before_training_with_the_row_named(ray_session, workspace, tiny_chat):
+    from raytrain_ddp import run
+
+    bad = workspace.root / "bad.jsonl"
+    rows = (tiny_chat / "train.jsonl").read_text().splitlines()[:20]
+    rows[3] = json.dumps({"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "no"}]})
+    rows[7] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]})
+    bad.write_text("\n".join(rows) + "\n")
+    overrides = workspace.overrides(f"dataset.path={bad}")
+
+    with pytest.raises(ConfigError) as refused:
+        run(load_config("chat_sft", config_file=tiny_chat / "chat_sft.yaml", overrides=overrides))
+
+    message = str(refused.value)
+    assert "dataset.path: 2 malformed conversation(s) of 20" in message
+    assert "message 0 (user) has content that is not a string: {'messages': [{'role': 'user', 'content': 42}" in message
+    assert "message 1 has role 'bot'; roles are system, user, assistant: {'messages': [{'role': 'user'" in message
+    assert not workspace.storage.exists()
+
+
+def _chat_request(question: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": 24}
+
+
+def _answer(response) -> str:
+    [completion] = response if isinstance(response, list) else [response]
+    return completion["choices"][0]["message"]["content"].strip()
