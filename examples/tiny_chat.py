@@ -157,14 +157,19 @@ def settings(directory: Path) -> dict:
 def write(directory: str | Path, *, train: int = 240, val: int = 48) -> Path:
     """Write `model/` (model and tokenizer), `train.jsonl`, `val.jsonl` and `chat_sft.yaml` into
     `directory`."""
+    from transformers import GenerationConfig
+
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     train_rows, val_rows = conversations(train, seed=1), conversations(val, seed=2)
     texts = [m["content"] for row in train_rows + val_rows for m in row["messages"]] + ["user", "assistant", "system"]
     tokenizer = build_tokenizer(texts, vocab_size=512)
     model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # Greedy answers, said explicitly: with a generation config derived from the model's, transformers'
+    # text-generation pipeline (what MLflow serves) samples at temperature 0.7 instead.
+    model.generation_config = GenerationConfig(
+        do_sample=False, max_new_tokens=48, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     model.save_pretrained(directory / "model")
     tokenizer.save_pretrained(directory / "model")
     write_jsonl(directory / "train.jsonl", train_rows)

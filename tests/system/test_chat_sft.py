@@ -99,7 +99,7 @@ def test_the_registered_model_answers_trained_prompts_offline_and_over_http(stra
     prompts = _fact_prompts(tiny_chat)
     answers = [_answer(model.predict(_chat_request(question))) for question, _ in prompts]
     right = sum(answer == expected for answer, (_, expected) in zip(answers, prompts))
-    assert right >= len(prompts) // 2, list(zip(answers, prompts))
+    assert right >= 5, list(zip(answers, prompts))  # of 8 (greedy; the untrained model: none)
 
     port = free_port()
     env = user_env({"MLFLOW_TRACKING_URI": straight.tracking_uri, "PATH": f"{BIN}:{user_env()['PATH']}"})
