@@ -56,7 +56,9 @@ def test_lora_fine_tuning_halves_the_assistant_loss_and_trains_only_the_adapters
     assert first["val_token_accuracy"] < straight.final_metrics["val_token_accuracy"]
     assert straight.final_metrics["tokens_per_s"] > 0
 
-    adapters = ckpt.open_verified(run_dir / "epoch_0012").model_state()
+    final = ckpt.open_verified(run_dir / "epoch_0012")
+    assert final.config()["ddp"]["find_unused_parameters"] is False  # DDP holds only the adapters: all used
+    adapters = final.model_state()
     assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters)  # the base is not saved
     assert all(adapters[name].abs().sum() > 0 for name in adapters if ".lora_B." in name)  # B starts at 0: trained
     lora_bytes = (run_dir / "epoch_0012" / ckpt.MODEL_FILE).stat().st_size
