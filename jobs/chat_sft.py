@@ -269,18 +269,20 @@ def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the trained tokens' cross-entropy, their count): the service divides by the count of the
     whole global batch."""
-    logits, labels = _forward(model, batch)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss, (labels != IGNORE).sum()
+    return _token_loss(*_forward(model, batch))
 
 
 def evaluate(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per trained (assistant) token: loss in nats, and whether the most likely token is the right one."""
     logits, labels = _forward(model, batch)
-    trained = labels != IGNORE
+    loss, trained = _token_loss(logits, labels)
+    correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
+    return {"loss": (loss, trained), "token_accuracy": (correct, trained)}
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    correct = ((logits.argmax(-1) == labels) & trained).sum()
-    return {"loss": (loss, trained.sum()), "token_accuracy": (correct, trained.sum())}
+    return loss, (labels != IGNORE).sum()
 
 
 def derived_metrics(val: dict[str, float]) -> dict[str, float]:

@@ -106,11 +106,14 @@ def register_checkpoint(
 ) -> tuple[Registration, list[ckpt.Skipped]]:
     """Build the model, load the first of `ranked` that verifies, log it (the recipe's log_model, else
     as a PyTorch model with `example` as its input example) with the recipe's artifacts, and register
-    it. Returns the registration and the better checkpoints skipped as damaged."""
-    model = recipe.make_model(config)
+    it. Returns the registration and the better checkpoints skipped as damaged. A checkpoint this run
+    registered already is returned as it is, without building the model."""
     with ckpt.open_first_verified(ranked) as best:
-        ckpt.load_weights(model, best.verified.model_state())
         metrics = best.verified.metrics()
+        if (registered := tracking.registered_version(config, run_id, best.location)) is not None:
+            return Registration(best.location, metrics, registered, []), best.skipped
+        model = recipe.make_model(config)
+        ckpt.load_weights(model, best.verified.model_state())
     model.eval()
     if recipe.log_model is not None:
         log = partial(recipe.log_model, model)

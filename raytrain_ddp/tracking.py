@@ -248,13 +248,10 @@ def register_model(
     config: Config, run_id: str, checkpoint_path: str, log_model: Callable[[str], Any]
 ) -> RegisteredModel:
     """Log the best checkpoint's model (`log_model(name)`, inside the MLflow run, returns MLflow's
-    ModelInfo) and register it as a new version of `mlflow.model_name`, unless this run already
-    registered this checkpoint (then that version is returned: registering is idempotent)."""
+    ModelInfo) and register it as a new version of `mlflow.model_name`. Callers first ask
+    `registered_version`: registering a checkpoint twice returns its version."""
     client = MlflowClient(config.mlflow.tracking_uri)
     name = config.mlflow.model_name
-    for version in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
-        if version.tags.get(CHECKPOINT_TAG) == checkpoint_path:
-            return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
     # Inside: registering a `models:/m-...` source resolves it through MLflow's global tracking URI.
     with _active_run(config.mlflow.tracking_uri, run_id):
         info = log_model(name=MODEL_ARTIFACT)
@@ -272,6 +269,17 @@ def register_model(
             tags={CHECKPOINT_TAG: checkpoint_path, RUN_NAME_TAG: config.run.name},
         )
     return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+
+
+def registered_version(config: Config, run_id: str, checkpoint_path: str) -> RegisteredModel | None:
+    """The version this run already registered for this checkpoint, if any."""
+    name = config.mlflow.model_name
+    for version in MlflowClient(config.mlflow.tracking_uri).search_model_versions(
+        f"name = '{name}' and run_id = '{run_id}'"
+    ):
+        if version.tags.get(CHECKPOINT_TAG) == checkpoint_path:
+            return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+    return None
 
 
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:
