@@ -11,7 +11,7 @@ training split is 227 rows per worker, 28 batches each, 56 in all, 448 samples: 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import pandas as pd
@@ -22,14 +22,22 @@ from pydantic import Field
 from sklearn.datasets import load_breast_cancer
 from torch import nn
 
+from raytrain_ddp.layers import Standardize
+
 _DATA = load_breast_cancer(as_frame=True)
 FEATURES = list(_DATA.feature_names)
 
 
 def build_model(
-    *, hidden: Annotated[int, Field(ge=1)] = 64, dropout: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    *,
+    fitted: dict[str, np.ndarray],
+    hidden: Annotated[int, Field(ge=1)] = 64,
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.2,
 ) -> nn.Module:
+    """The 30 raw measurements in, standardized inside the model with the training split's statistics
+    (`fitted`, from build_datasets)."""
     return nn.Sequential(
+        Standardize(fitted["mean"], fitted["std"]),
         nn.Linear(len(FEATURES), hidden),
         nn.ReLU(),
         nn.Dropout(dropout),
@@ -40,24 +48,21 @@ def build_model(
     )
 
 
-def build_datasets(
-    *, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
-) -> dict[str, ray.data.Dataset]:
-    """Rows of {"x": 30 measurements standardized with the training split's mean and std, "y": 0
-    malignant / 1 benign}."""
+def build_datasets(*, seed: int, val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2) -> dict[str, Any]:
+    """Rows of {"x": the 30 raw measurements, "y": 0 malignant / 1 benign}, and the training split's
+    mean and std of each measurement (`fitted`: the model standardizes with them)."""
     table = ray.data.from_pandas(_DATA.frame)
     train, val = table.train_test_split(test_size=val_fraction, shuffle=True, seed=seed)
     stats = train.to_pandas()[FEATURES]  # a few hundred rows: the statistics are computed on the driver
-    mean, std = stats.mean(), stats.std()
-
-    def standardize(batch: pd.DataFrame) -> dict[str, np.ndarray]:
-        x = (batch[FEATURES] - mean) / std
-        return {"x": x.to_numpy(np.float32), "y": batch["target"].to_numpy(np.int64)}
-
     return {
-        "train": train.map_batches(standardize, batch_format="pandas").materialize(),
-        "val": val.map_batches(standardize, batch_format="pandas").materialize(),
+        "train": train.map_batches(_to_rows, batch_format="pandas").materialize(),
+        "val": val.map_batches(_to_rows, batch_format="pandas").materialize(),
+        "fitted": {"mean": stats.mean().to_numpy(), "std": stats.std().to_numpy()},
     }
+
+
+def _to_rows(batch: pd.DataFrame) -> dict[str, np.ndarray]:
+    return {"x": batch[FEATURES].to_numpy(np.float32), "y": batch["target"].to_numpy(np.int64)}
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

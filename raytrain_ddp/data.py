@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, de
 from raytrain_ddp.config import TrainSettings
 
 DATASETS = ("train", "val")
+FITTED = "fitted"  # build_datasets' optional third entry: statistics of the training rows, for build_model
 SHUFFLE, WORKER_RNG, LOADER = 0, 1, 2  # the purposes derive_seed serves
 # Rows a worker takes from Ray Data at a time (at least one batch), then cuts into training batches on
 # the device: Ray Data's iterator threads cost about the same per batch whatever its size, and on a
@@ -42,12 +43,18 @@ SHUFFLE, WORKER_RNG, LOADER = 0, 1, 2  # the purposes derive_seed serves
 FETCH_ROWS = 512
 
 
-def check_datasets(datasets: Any, job: str) -> dict[str, ray.data.Dataset | Dataset]:
+def check_datasets(datasets: Any, job: str) -> tuple[dict[str, ray.data.Dataset | Dataset], Any]:
     """build_datasets must return {"train": ..., "val": ...}: both Ray Datasets or both map-style
-    torch Datasets."""
-    if not isinstance(datasets, Mapping) or set(datasets) != set(DATASETS):
+    torch Datasets; and may add "fitted" (what it learnt from the training rows, for build_model).
+    Returns the datasets and what was fitted (None if nothing)."""
+    if not isinstance(datasets, Mapping) or set(datasets) - {FITTED} != set(DATASETS):
         got = sorted(datasets) if isinstance(datasets, Mapping) else type(datasets).__name__
-        raise TypeError(f"job '{job}': build_datasets must return a dict with keys {list(DATASETS)}, got {got}")
+        raise TypeError(
+            f"job '{job}': build_datasets must return a dict with keys {list(DATASETS)} (and optionally "
+            f"'{FITTED}'), got {got}"
+        )
+    datasets = dict(datasets)
+    fitted = datasets.pop(FITTED, None)
     kinds = {name: _kind(ds) for name, ds in datasets.items()}
     if None in kinds.values() or len(set(kinds.values())) != 1:
         got = ", ".join(f"{name}: {type(ds).__name__}" for name, ds in datasets.items())
@@ -55,7 +62,7 @@ def check_datasets(datasets: Any, job: str) -> dict[str, ray.data.Dataset | Data
             f"job '{job}': build_datasets must return two ray.data.Dataset or two map-style torch "
             f"Datasets (with __len__ and __getitem__), got {got}"
         )
-    return dict(datasets)
+    return datasets, fitted
 
 
 def _kind(dataset: Any) -> str | None:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray.train
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchTrainer
 from rich.console import Console
 
 from raytrain_ddp import console as ui
-from raytrain_ddp import data, lease, preflight, session, tracking
+from raytrain_ddp import data, lease, preflight, session, storage, tracking
 from raytrain_ddp import plan as planning
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import RunFailed, RunInterrupted
@@ -47,7 +47,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         ui.show_plan(console, plan)
         with lease.Lease(plan.run_path):
             run_id = tracking.start_run(plan.config, plan.run_path)
-            trained = fit(plan, run_id, console)
+            trained = fit(plan, run_id, console, verbose)
             registration = register_best(plan, trained.best_checkpoints, run_id, console)
     summary = _summarize(plan, trained, registration, run_id, time.monotonic() - started)
     show(console, summary)
@@ -62,10 +62,11 @@ class Trained:
     failures: list[str]  # one line per failed attempt of the workers
 
 
-def fit(plan: Plan, run_id: str, console: Console) -> Trained:
+def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Trained:
     """Train the plan's run to its last epoch, showing its progress. On the way out of a failure or
     Ctrl-C the MLflow run is marked FAILED or KILLED, and RunFailed or RunInterrupted says what failed,
-    where the checkpoints are and the command that resumes."""
+    where the checkpoints are, the file with the workers' full tracebacks (printed too, `verbose`)
+    and the command that resumes."""
     config = plan.config
     progress = ui.LiveProgress(console, plan)
     try:
@@ -84,10 +85,26 @@ def fit(plan: Plan, run_id: str, console: Console) -> Trained:
             what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})"
         else:
             what = f"failed: {ui.describe_failure(e, config.run.max_failures, len(progress.failures))}"
+            what += _keep_tracebacks(plan, e, console if verbose else None)
         raise (RunInterrupted if interrupted else RunFailed)(
             f"run {config.run.name} {what}\ncheckpoints so far: {plan.run_path}\nresume: {plan.resume_command}"
         ) from e
     return Trained(epochs, dict(result.metrics), result.best_checkpoints, progress.failures)
+
+
+def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) -> str:
+    """The workers' full tracebacks (Ray Train's error carries them as text) in a file of the run,
+    and on the console if given; returns the line that names the file."""
+    if not isinstance(error, WorkerGroupError):
+        return ""
+    path = f"{plan.run_path}/errors/{time.strftime('%Y%m%d-%H%M%S')}.log"
+    if console is not None:
+        console.print(str(error), markup=False, highlight=False)
+    try:
+        storage.write_text(path, str(error))
+    except OSError as e:  # the storage failing is likely why the run did: never hide the first error
+        return f"\n(the workers' tracebacks could not be saved to {path}: {e})"
+    return f"\nthe workers' full tracebacks: {path}" + ("" if console else " (or run with --verbose)")
 
 
 def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result:
@@ -112,6 +129,7 @@ def _trainer(plan: Plan, run_id: str, relay: ui.ProgressRelay) -> TorchTrainer:
         train_loop_config={
             "config": config.to_dict(),
             "recipe": plan.recipe,
+            "fitted": plan.fitted,  # the statistics of the training rows that build_model takes
             "batches_per_epoch": plan.batches_per_epoch,
             "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
             "torch_datasets": None if ray_data else plan.datasets,  # shipped to every worker with the loop

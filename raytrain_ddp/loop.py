@@ -84,7 +84,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     # 1. Build the same model on every rank, wrap it in DDP, then optimizer, schedule and precision.
     torch.manual_seed(config.seed)
-    model = recipe.make_model(config)
+    model = recipe.make_model(config, loop_config["fitted"])
     ddp_model = wrap_model(model, config.ddp)
     updater = Updater(model, config.train, accumulation.steps, device)
 

@@ -45,6 +45,7 @@ class Plan:
     recipe: Recipe
     run_path: str  # <storage_path>/<run name>: the run's checkpoints, Ray's record of them, the lease
     datasets: dict[str, Any]  # the recipe's {"train", "val"}: Ray Datasets or torch Datasets
+    fitted: Any  # what build_datasets fitted on the training rows, for build_model (None: nothing)
     train_rows: int
     example: dict[str, torch.Tensor]  # two validation rows: the pre-flight input and the model's input example
     batches_per_epoch: int  # micro-batches each worker trains an epoch
@@ -65,7 +66,7 @@ def make(config: Config, *, verbose: bool, console: Console) -> Plan:
         with console.status("Starting Ray…"):
             session.connect(verbose)
         with console.status("Building datasets…"):
-            datasets = _build_datasets(config, origin.recipe)
+            datasets, fitted = _build_datasets(config, origin.recipe)
             train_rows = data.num_rows(datasets["train"])
             example = data.example_batch(datasets["val"])
     t = config.train
@@ -74,6 +75,7 @@ def make(config: Config, *, verbose: bool, console: Console) -> Plan:
         recipe=origin.recipe,
         run_path=run_path,
         datasets=datasets,
+        fitted=fitted,
         train_rows=train_rows,
         example=example,
         batches_per_epoch=data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last),
@@ -139,13 +141,14 @@ def _resolve(config: Config, job_name: str) -> Config:
     )
 
 
-def _build_datasets(config: Config, recipe: Recipe) -> dict[str, Any]:
-    """The recipe's datasets; a recipe that cannot build them (a missing file, say) is a config problem:
-    reported like one, before anything is started or written."""
+def _build_datasets(config: Config, recipe: Recipe) -> tuple[dict[str, Any], Any]:
+    """The recipe's datasets, and what it fitted on the training rows; a recipe that cannot build them
+    (a missing file, say) is a config problem: reported like one, before anything is started or written."""
     try:
         datasets = recipe.make_datasets(config)
     except Exception as e:  # noqa: BLE001 - whatever the recipe raises, with its own message
-        raise ConfigError(config.job, [f"recipe {recipe.name}: build_datasets failed: {type(e).__name__}: {e}"]) from e
+        failed = f"recipe {recipe.name}: {preflight.where(recipe.build_datasets, 'build_datasets', e)} failed"
+        raise ConfigError(config.job, [f"{failed}: {type(e).__name__}: {e}"]) from e
     try:
         return data.check_datasets(datasets, config.job)
     except TypeError as e:

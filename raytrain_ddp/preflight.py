@@ -9,7 +9,10 @@ problem is reported at once, as one ConfigError.
 
 from __future__ import annotations
 
+import contextlib
+import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -17,7 +20,7 @@ import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import lease, storage, tracking
+from raytrain_ddp import data, lease, storage, tracking
 from raytrain_ddp.config import Config, ConfigError, flatten
 from raytrain_ddp.metrics import reported_metrics
 from raytrain_ddp.recipe import Recipe
@@ -58,8 +61,10 @@ def check_before_ray(config: Config, run_path: str) -> None:
 def check(plan: Plan) -> None:
     """Everything else that can rule the run out without starting a worker, reported at once."""
     config = plan.config
+    reported = check_recipe(config, plan.recipe, plan.example, plan.fitted)
     problems = (
-        check_recipe(config, plan.recipe, plan.example)
+        check_score(config, reported)
+        + check_batches(config, plan.train_rows)
         + check_resources(config, plan.datasets)
         + storage.check_shared(config.run.storage_path)
     )
@@ -72,35 +77,170 @@ def check(plan: Plan) -> None:
         raise ConfigError(config.job, problems)
 
 
-def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor]) -> list[str]:
-    """The recipe runs on two validation rows, returns a scalar loss (or a sum and its count), and
-    reports the score metric. A recipe with a model too big for the driver is run on its architecture
-    alone (build_empty_model, on PyTorch's meta device): shapes and contract, not values."""
-    try:  # a model on the meta device takes the CPU rows and computes on meta tensors
-        model = recipe.make_model(config, empty=recipe.holds_large_model).eval()
-        with torch.no_grad():
-            loss = recipe.compute_loss(model, example)
-            val_names = list(recipe.evaluate(model, example).keys())
-    except Exception as e:  # noqa: BLE001 - the recipe's own message says what is wrong
-        return [f"recipe {recipe.name} fails on two validation rows: {type(e).__name__}: {e}"]
-    problems = []
-    if not (_is_scalar(loss) or isinstance(loss, tuple) and len(loss) == 2 and _is_scalar(loss[0])):
-        problems.append(
-            f"recipe {recipe.name}: compute_loss must return a scalar tensor (a mean) or (sum, count), got {loss!r:.80}"
-        )
+class RecipeFailed(ConfigError):
+    """The recipe breaks its contract on real rows: each problem names the function, its file and line."""
+
+    def __init__(self, recipe: Recipe, problems: list[str]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        ValueError.__init__(self, f"recipe error in job '{recipe.name}' ({len(problems)} problem(s)):\n{lines}")
+
+
+def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor], fitted: Any = None) -> set[str]:
+    """The whole contract on two validation rows, as training will call it: build_model, compute_loss
+    in training mode (a finite scalar, or (sum, count), with a gradient), evaluate (a mapping of
+    (sum, count) pairs, with the score metric among what is reported), model_input (the logged
+    model's input runs through the model) and the optional hooks. Returns the problems, each naming
+    the recipe's function and the line of its file where it failed. A recipe with a model too big for
+    the driver is run on its architecture alone (build_empty_model, on PyTorch's meta device): shapes
+    and contract, not values or gradients."""
+    meta = recipe.holds_large_model
+    calls = _RecipeCalls(recipe)
+    model = calls.run("build_empty_model" if meta else "build_model", recipe.make_model, config, fitted, empty=meta)
+    if model is None:
+        raise RecipeFailed(recipe, calls.problems)
+    loss = calls.run("compute_loss", _training_loss, recipe, model, example, meta)
+    if loss is not None:
+        calls.expect("compute_loss", _loss_problem(loss, meta))
+    model.eval()
+    with torch.no_grad():
+        metrics = calls.run("evaluate", recipe.evaluate, model, example)
+        if recipe.model_input is not None and recipe.log_model is None and not meta:
+            calls.run("model_input", lambda: model(recipe.model_input(example)))
+        if recipe.generate_samples is not None and not meta:
+            calls.run("generate_samples", recipe.generate_samples, model, example)
+    if recipe.count_tokens is not None:
+        tokens = calls.run("count_tokens", recipe.count_tokens, example)
+        if tokens is not None and not _is_count(tokens):
+            calls.expect("count_tokens", f"must return an int, got {tokens!r:.80}")
+    if metrics is not None:
+        calls.expect("evaluate", _metrics_problem(metrics))
+    if calls.problems:
+        raise RecipeFailed(recipe, calls.problems)
+    val_names = list(metrics)
     if recipe.derived_metrics is not None:
-        val_names += list(recipe.derived_metrics(dict.fromkeys(val_names, 1.0)))
-    reported = reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)
-    if config.checkpoint.score_attribute not in reported:
+        val_names += list(calls.run("derived_metrics", recipe.derived_metrics, dict.fromkeys(val_names, 1.0)) or {})
+    if calls.problems:
+        raise RecipeFailed(recipe, calls.problems)
+    return reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)
+
+
+def check_score(config: Config, reported: set[str]) -> list[str]:
+    if config.checkpoint.score_attribute in reported:
+        return []
+    return [
+        f"checkpoint.score_attribute: {config.checkpoint.score_attribute!r} is not a reported metric; "
+        f"choose one of: {', '.join(sorted(reported))}"
+    ]
+
+
+def check_batches(config: Config, train_rows: int) -> list[str]:
+    """Batch arithmetic per worker: an epoch of no step is refused, a batch larger than a worker's
+    share of the rows is named (each epoch would be one short step)."""
+    t, workers = config.train, config.scaling.num_workers
+    rows = train_rows // workers
+    batches = data.batches_per_epoch(train_rows, workers, t.batch_size, t.drop_last)
+    share = f"{train_rows} training rows over {workers} workers are {rows} per worker"
+    if batches == 0:
+        return [
+            f"train.batch_size: {share}, fewer than one batch of {t.batch_size}"
+            + (" with train.drop_last=true" if t.drop_last else "")
+            + f": an epoch would train nothing; use train.batch_size <= {max(rows, 1)} or fewer workers"
+        ]
+    problems = []
+    if t.batch_size > rows:
         problems.append(
-            f"checkpoint.score_attribute: {config.checkpoint.score_attribute!r} is not a reported metric; "
-            f"choose one of: {', '.join(sorted(reported))}"
+            f"train.batch_size: {share}, fewer than one batch of {t.batch_size}: each epoch would be one short "
+            f"step of {rows} rows per worker; use train.batch_size <= {rows}"
+        )
+    if t.grad_accum_steps > batches:
+        problems.append(
+            f"train.grad_accum_steps: {t.grad_accum_steps} micro-batches per step, but each worker has {batches} "
+            f"batch(es) of {t.batch_size} an epoch; lower it to <= {batches} or the batch size"
         )
     return problems
 
 
+class _RecipeCalls:
+    """Calls into a recipe that turn its exceptions and wrong answers into problems naming the
+    function, and the recipe file's line: where it raised, or where the function starts."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe, self.problems = recipe, []
+
+    def run(self, name: str, fn, *args, **kwargs) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the recipe's own error, located in its file
+            self.problems.append(f"{self._where(name, e)} raised {type(e).__name__}: {e}")
+            return None
+
+    def expect(self, name: str, problem: str | None) -> None:
+        if problem is not None:
+            self.problems.append(f"{self._where(name)} {problem}")
+
+    def _where(self, name: str, error: BaseException | None = None) -> str:
+        return where(getattr(self.recipe, name), name, error)
+
+
+def where(fn: Any, name: str, error: BaseException | None = None) -> str:
+    """`name (file, line N: code)`: the recipe's deepest line on the way to `error`, else where `fn` starts."""
+    file, line = fn.__code__.co_filename, fn.__code__.co_firstlineno
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == file] if error else []
+    if frames:
+        return f"{name} ({_shown(file)}, line {frames[-1].lineno}: {frames[-1].line})"
+    return f"{name} ({_shown(file)}, line {line})"
+
+
+def _shown(file: str) -> str:
+    path = Path(file)
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def _training_loss(recipe: Recipe, model: torch.nn.Module, example: dict[str, torch.Tensor], meta: bool) -> Any:
+    """compute_loss as training calls it: in training mode, with autograd (on a meta model, without)."""
+    model.train()
+    with torch.no_grad() if meta else contextlib.nullcontext():
+        return recipe.compute_loss(model, example)
+
+
+def _loss_problem(loss: Any, meta: bool) -> str | None:
+    value = loss[0] if isinstance(loss, tuple) and len(loss) == 2 else loss
+    if not _is_scalar(value):
+        return f"must return a scalar tensor (a mean) or (sum, count), got {loss!r:.80}"
+    if isinstance(loss, tuple) and not _is_count(loss[1]):
+        return f"returned (sum, count) with count {loss[1]!r:.80}: the count must be an int or an integer tensor"
+    if meta:
+        return None
+    if not torch.isfinite(value):
+        return f"returned a loss of {value.item()} on two validation rows: it must be finite"
+    if not value.requires_grad:
+        return "returned a loss with no gradient (computed without the model, under no_grad, or detached)"
+    return None
+
+
+def _metrics_problem(metrics: Any) -> str | None:
+    shape = "{name: (sum, count)}: the sum of the metric over the batch's rows, and how many they are"
+    if not isinstance(metrics, Mapping) or not metrics:
+        return f"must return {shape}, got {metrics!r:.80}"
+    for name, pair in metrics.items():
+        if not (isinstance(pair, tuple) and len(pair) == 2 and _is_number(pair[0]) and _is_count(pair[1])):
+            return f"must return {shape}; {name!r} is {pair!r:.80}"
+    return None
+
+
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim == 0
+
+
+def _is_number(value: Any) -> bool:
+    return _is_scalar(value) or isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and not value.is_floating_point()
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_lasting_paths(config: Config) -> list[str]:

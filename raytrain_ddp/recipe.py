@@ -5,7 +5,8 @@ plain functions with keyword-only arguments:
 
     build_model(**model) -> torch.nn.Module
     build_datasets(*, seed, **dataset) -> {"train": ..., "val": ...}   # two ray.data.Dataset (streamed
-                                                           # by Ray Data) or two map-style torch Datasets
+                                                           # by Ray Data) or two map-style torch Datasets,
+                                                           # rows as users have them (raw features, pixels)
     compute_loss(model, batch) -> scalar tensor            # the training objective, mean over the batch
     evaluate(model, batch) -> {name: (sum, count)}         # validation sums; the service all-reduces them
     model_input(batch) -> tensor                           # what the model's forward takes (for MLflow)
@@ -32,6 +33,13 @@ micro-batches and workers.
 
 Besides its YAML keys, `build_model` gets `precision` (train.precision) and `build_datasets` gets
 `model` (the model's settings: where its tokenizer is, say) if they name those parameters.
+
+Inference travels with the model: the datasets hold raw rows and the model takes them, so the
+registered model takes the rows its users have. What turns raw rows into what the network needs is
+part of the model (`raytrain_ddp.layers.Standardize`, a reshape). Where that needs statistics of
+the training rows (a mean and a standard deviation, a vocabulary), `build_datasets` returns them as
+a third entry, `"fitted"`, and `build_model` gets them as `fitted`: the model holds them in buffers,
+so they are saved with every checkpoint and applied inside the logged model.
 
 The YAML's `model:` and `dataset:` mappings are those keyword arguments, validated against the
 signatures (types, and pydantic constraints such as `Annotated[float, Field(gt=0, lt=1)]`) before Ray
@@ -68,7 +76,7 @@ OPTIONAL = (
     "log_model",
 )
 # Keywords the service passes beside the YAML's, to the functions that name them.
-SERVICE_KWARGS = {"build_model": ("precision",), "build_datasets": ("seed", "model")}
+SERVICE_KWARGS = {"build_model": ("precision", "fitted"), "build_datasets": ("seed", "model")}
 JOBS_DIR = "jobs"
 
 
@@ -113,9 +121,12 @@ class Recipe:
         """Whether the driver must not build the model (the recipe gives its architecture instead)."""
         return self.build_empty_model is not None
 
-    def make_model(self, config: Config, *, empty: bool = False) -> torch.nn.Module:
-        """build_model (or, `empty`, build_empty_model) with the config's model settings."""
-        kwargs = _with_service_kwargs(self.build_model, dict(config.model), precision=config.train.precision)
+    def make_model(self, config: Config, fitted: Any = None, *, empty: bool = False) -> torch.nn.Module:
+        """build_model (or, `empty`, build_empty_model) with the config's model settings and what
+        build_datasets fitted on the training rows."""
+        kwargs = _with_service_kwargs(
+            self.build_model, dict(config.model), precision=config.train.precision, fitted=fitted
+        )
         return (self.build_empty_model if empty else self.build_model)(**kwargs)
 
     def make_datasets(self, config: Config) -> Any:

@@ -89,9 +89,9 @@ def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console) 
         task = ray.remote(register_checkpoint).options(
             num_cpus=s.resources_per_worker.get("CPU", 1.0), num_gpus=1 if s.use_gpu else 0, max_retries=0
         )
-        registration, skipped = ray.get(task.remote(config, plan.recipe, ranked, plan.example, run_id))
+        registration, skipped = ray.get(task.remote(config, plan.recipe, ranked, plan.example, run_id, plan.fitted))
     else:
-        registration, skipped = register_checkpoint(config, plan.recipe, ranked, plan.example, run_id)
+        registration, skipped = register_checkpoint(config, plan.recipe, ranked, plan.example, run_id, plan.fitted)
     for damaged in skipped:
         console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(damaged))}")
     return registration
@@ -103,6 +103,7 @@ def register_checkpoint(
     ranked: list[ray.train.Checkpoint],
     example: dict[str, torch.Tensor],
     run_id: str,
+    fitted: Any = None,
 ) -> tuple[Registration, list[ckpt.Skipped]]:
     """Build the model, load the first of `ranked` that verifies, log it (the recipe's log_model, else
     as a PyTorch model with `example` as its input example) with the recipe's artifacts, and register
@@ -112,7 +113,7 @@ def register_checkpoint(
         metrics = best.verified.metrics()
         if (registered := tracking.registered_version(config, run_id, best.location)) is not None:
             return Registration(best.location, metrics, registered, []), best.skipped
-        model = recipe.make_model(config)
+        model = recipe.make_model(config, fitted)  # the checkpoint's buffers then replace what was fitted
         ckpt.load_weights(model, best.verified.model_state())
     model.eval()
     if recipe.log_model is not None:

@@ -32,6 +32,14 @@ def absolute(path: str) -> str:
     return path.rstrip("/") if is_uri(path) else str(Path(path).expanduser().resolve())
 
 
+def write_text(path: str, text: str) -> None:
+    """Write a whole text file at a storage path or URI, creating its directory."""
+    fs, where = locate(path)
+    fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(where) as f:
+        f.write(text.encode())
+
+
 def locate(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """The filesystem of a storage path or URI, and the path within it."""
     if is_uri(path):

@@ -1,5 +1,6 @@
 """The job the README shows ("Writing your own job") is complete: written out as the README has it, its
-config loads and its recipe trains and evaluates on real rows of the wine table."""
+config loads and its recipe trains and evaluates on raw rows of the wine table, standardizing them
+inside the model. (Trained end to end and served over HTTP: tests/system/test_first_hour.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from raytrain_ddp import load_config, recipe
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def _written_out(directory: Path) -> Path:
+def write_readme_job(directory: Path) -> Path:
     section = README.read_text().split("## Writing your own job", 1)[1].split("\n## ", 1)[0]
     [python] = re.findall(r"```python\n(.*?)```", section, re.S)
     [yaml] = re.findall(r"```yaml\n(.*?)```", section, re.S)
@@ -24,16 +25,20 @@ def _written_out(directory: Path) -> Path:
 
 
 def test_the_readme_job_loads_trains_and_evaluates(tmp_path):
-    job = _written_out(tmp_path)
-    config = load_config(str(job))
-    assert config.model == {"hidden": 32} and config.dataset == {"val_fraction": 0.25}
-    assert config.checkpoint.score_attribute == "val_accuracy" and config.train.drop_last
+    job = write_readme_job(tmp_path)
+    config = load_config(str(job), overrides=["dataset.path=wine.csv"])
+    assert config.model == {"hidden": 32}
+    assert config.dataset == {"path": "wine.csv", "label": "target", "val_fraction": 0.25}
+    assert config.checkpoint.score_attribute == "val_accuracy"
 
     wine = recipe.load(str(job))
     x, y = load_wine(return_X_y=True)
     batch = {"x": torch.tensor(x[:32], dtype=torch.float32), "y": torch.tensor(y[:32])}
     torch.manual_seed(0)
-    model = wine.build_model(**config.model)
+    fitted = {"mean": x.mean(axis=0), "std": x.std(axis=0)}
+    model = wine.build_model(fitted=fitted, **config.model)
+    standardized = model[0](batch["x"])  # raw rows in: the model standardizes them itself
+    assert torch.allclose(standardized, torch.tensor((x[:32] - x.mean(0)) / x.std(0), dtype=torch.float32), atol=1e-5)
     loss = wine.compute_loss(model, batch)
     loss.backward()
     assert loss.ndim == 0 and all(p.grad is not None for p in model.parameters())

@@ -1,0 +1,152 @@
+"""What pre-flight refuses before any worker starts, on two rows and without Ray: every part of a
+recipe's contract (each refusal names the function, the recipe's file and line, and is a recipe
+error, not a configuration error), and batch arithmetic an epoch cannot satisfy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_ddp import ConfigError, load_config
+from raytrain_ddp import recipe as recipes
+from raytrain_ddp.preflight import RecipeFailed, check_batches, check_recipe, check_score
+
+RECIPE = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_model(*, hidden: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+
+
+def build_datasets(*, seed: int) -> dict:
+    raise NotImplementedError  # pre-flight is given its rows
+
+
+def compute_loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def evaluate(model, batch):
+    logits, n = model(batch["x"]), len(batch["y"])
+    return {"loss": (F.cross_entropy(logits, batch["y"], reduction="sum"), n)}
+
+
+def model_input(batch):
+    return batch["x"]
+"""
+EXAMPLE = {"x": torch.randn(2, 4), "y": torch.tensor([0, 2])}
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the recipe's file is named relative to the working directory
+
+
+def _check(tmp_path: Path, *edits: tuple[str, str], example=EXAMPLE) -> set[str]:
+    text = RECIPE
+    for old, new in edits:
+        assert old in text
+        text = text.replace(old, new)
+    (tmp_path / "job.py").write_text(text)
+    config = load_config(str(tmp_path / "job.py"))
+    return check_recipe(config, recipes.load(str(tmp_path / "job.py")), example)
+
+
+def _refusal(tmp_path: Path, *edits: tuple[str, str]) -> str:
+    with pytest.raises(RecipeFailed) as refused:
+        _check(tmp_path, *edits)
+    message = str(refused.value)
+    assert message.startswith("recipe error in job 'job'") and "invalid configuration" not in message
+    assert isinstance(refused.value, ConfigError)  # refused like a config: before Ray Train, exit 2
+    return message
+
+
+def test_a_recipe_that_keeps_the_contract_reports_its_metrics(tmp_path):
+    assert {"val_loss", "train_loss", "epoch"} <= _check(tmp_path)
+
+
+def test_evaluate_returning_a_mean_is_refused_naming_the_function_file_and_line(tmp_path):
+    message = _refusal(tmp_path, ('reduction="sum"), n)}', 'reduction="mean"))}'))
+    line = RECIPE.splitlines().index("def evaluate(model, batch):") + 1
+    assert f"evaluate (job.py, line {line}) must return {{name: (sum, count)}}" in message
+    assert "'loss' is tensor(" in message
+
+
+def test_an_error_inside_compute_loss_shows_the_recipe_line_that_raised_it(tmp_path):
+    message = _refusal(tmp_path, ('batch["y"])\n\n\ndef evaluate', 'batch["y"].float())\n\n\ndef evaluate'))
+    line = RECIPE.splitlines().index('    return F.cross_entropy(model(batch["x"]), batch["y"])') + 1
+    assert (
+        f'compute_loss (job.py, line {line}: return F.cross_entropy(model(batch["x"]), batch["y"].float()))' in message
+    )
+    assert "raised RuntimeError" in message and "Long" in message
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (('return F.cross_entropy(model(batch["x"]), batch["y"])\n', "return model(batch['x'])\n"), "scalar tensor"),
+        (('return F.cross_entropy(model(batch["x"]), batch["y"])\n', "return torch.tensor(1.0)\n"), "no gradient"),
+        (
+            (
+                'return F.cross_entropy(model(batch["x"]), batch["y"])\n',
+                "return torch.tensor(float('nan'), requires_grad=True)\n",
+            ),
+            "must be finite",
+        ),
+        (
+            ('def model_input(batch):\n    return batch["x"]', 'def model_input(batch):\n    return batch["x"][:, :2]'),
+            "model_input",
+        ),
+        (("return nn.Sequential(", "raise ValueError('no such layer'); return nn.Sequential("), "build_model"),
+    ],
+    ids=["not-a-scalar", "no-gradient", "not-finite", "wrong-model-input", "build-model-raises"],
+)
+def test_each_broken_part_of_the_contract_is_named(tmp_path, edit, says):
+    assert says in _refusal(tmp_path, edit)
+
+
+def test_a_score_metric_the_recipe_does_not_report_is_a_config_problem(tmp_path):
+    reported = _check(tmp_path)
+    config = load_config(str(tmp_path / "job.py"), overrides=["checkpoint.score_attribute=val_accuracy"])
+    [problem] = check_score(config, reported)
+    assert "'val_accuracy' is not a reported metric; choose one of:" in problem and "val_loss" in problem
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rows", "says"),
+    [
+        (
+            ["train.batch_size=500", "train.drop_last=true"],
+            142,
+            "71 per worker, fewer than one batch of 500 with train.drop_last=true: an epoch would train nothing",
+        ),
+        (
+            ["train.batch_size=500"],
+            142,
+            "each epoch would be one short step of 71 rows per worker; use train.batch_size <= 71",
+        ),
+        (
+            ["train.batch_size=8", "train.grad_accum_steps=16"],
+            142,
+            "train.grad_accum_steps: 16 micro-batches per step, but each worker has 9 batch(es)",
+        ),
+        (["train.batch_size=8", "scaling.num_workers=4"], 3, "0 per worker"),
+    ],
+    ids=["no-step", "one-short-step", "accumulation-beyond-the-epoch", "fewer-rows-than-workers"],
+)
+def test_batch_arithmetic_an_epoch_cannot_satisfy_is_refused(tmp_path, overrides, rows, says):
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = load_config(str(tmp_path / "job.py"), overrides=overrides)
+    problems = check_batches(config, rows)
+    assert len(problems) == 1 and says in problems[0], problems
+
+
+def test_batch_arithmetic_that_fits_passes(tmp_path):
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = load_config(str(tmp_path / "job.py"), overrides=["train.batch_size=71", "train.grad_accum_steps=1"])
+    assert check_batches(config, 142) == []
