@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,22 @@ def workspace(tmp_path: Path) -> Workspace:
 @pytest.fixture(scope="module")
 def module_workspace(tmp_path_factory) -> Workspace:
     return Workspace(tmp_path_factory.mktemp("workspace"))
+
+
+@pytest.fixture
+def readme_job(tmp_path: Path) -> Path:
+    """The README's own job ("Writing your own job"), written out as a user would, away from the
+    project: wine.py, wine.yaml, and the wine table as the CSV it reads (wine.csv). Returns wine.py."""
+    from sklearn.datasets import load_wine
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Writing your own job", 1)[1].split("\n## ", 1)[0]
+    [python] = re.findall(r"```python\n(.*?)```", section, re.S)
+    [yaml] = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    (tmp_path / "wine.py").write_text(python)
+    (tmp_path / "wine.yaml").write_text(yaml)
+    load_wine(as_frame=True).frame.to_csv(tmp_path / "wine.csv", index=False)
+    return tmp_path / "wine.py"
 
 
 @pytest.fixture(scope="session")

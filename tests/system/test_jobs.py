@@ -29,7 +29,8 @@ def test_a_dataset_path_without_the_data_is_refused_before_anything_is_written(r
     }
     for job, (override, message) in cases.items():
         with pytest.raises(
-            ConfigError, match=rf"recipe {job}: build_datasets failed: FileNotFoundError: dataset.path=.*{message}"
+            ConfigError,
+            match=rf"recipe {job}: build_datasets \(.*line \d+: .*\) failed: FileNotFoundError: .*{message}",
         ):
             run(load_config(job, overrides=workspace.overrides(override)))
     assert not workspace.storage.exists() and not (workspace.root / "mlflow.db").exists()
@@ -41,6 +42,19 @@ def _train(workspace, job: str, *overrides: str):
     return run(load_config(job, overrides=workspace.overrides(*overrides)))
 
 
+def _served(summary, job: str, *overrides: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The registered model's answers to the job's validation rows, raw as the job reads them (the
+    model standardizes, reshapes and scales them itself), and those rows."""
+    import mlflow
+
+    config = load_config(job, overrides=list(overrides))
+    val = recipes.load(job).make_datasets(config)["val"]
+    rows = val.take_batch(val.count(), batch_format="numpy")
+    mlflow.set_tracking_uri(summary.tracking_uri)
+    model = mlflow.pyfunc.load_model(summary.model.uri)
+    return model.predict(recipes.load(job).model_input({k: v.copy() for k, v in rows.items()})), rows
+
+
 @pytest.mark.smoke  # the one end-to-end run of `make test-quick`: plan, checks, fit, register, summary
 def test_breast_cancer_counts_every_sample_and_batch_and_reaches_93_percent(ray_session, workspace):
     summary = _train(workspace, "breast_cancer")
@@ -50,6 +64,9 @@ def test_breast_cancer_counts_every_sample_and_batch_and_reaches_93_percent(ray_
     assert (final["train_samples"], final["train_batches"], final["train_samples_per_worker"]) == (448, 56, [224, 224])
     assert final["val_samples"] == 114
     assert summary.metrics["val_accuracy"] >= 0.93
+    answers, rows = _served(summary, "breast_cancer")
+    assert rows["x"].max() > 100  # raw measurements (areas in the hundreds), not standardized ones
+    assert (answers.argmax(axis=1) == rows["y"]).mean() == pytest.approx(summary.metrics["val_accuracy"], abs=1e-9)
 
 
 def test_regression_mlp_beats_predicting_the_mean(ray_session, workspace):
@@ -57,6 +74,8 @@ def test_regression_mlp_beats_predicting_the_mean(ray_session, workspace):
 
     assert summary.metrics["val_samples"] == 89
     assert summary.metrics["val_mse"] < 0.7 * summary.metrics["val_baseline_mse"]
+    answers, rows = _served(summary, "regression")  # raw measurements in, the target's units out
+    assert ((answers - rows["y"]) ** 2).mean() == pytest.approx(summary.metrics["val_mse"], rel=1e-4)
 
 
 def test_fashion_mnist_reads_idx_files_from_the_dataset_path_and_learns(ray_session, workspace, tmp_path):
@@ -77,6 +96,9 @@ def test_fashion_mnist_reads_idx_files_from_the_dataset_path_and_learns(ray_sess
 
     assert summary.metrics["val_samples"] == len(images) - 1400
     assert summary.metrics["val_accuracy"] >= 0.85
+    answers, rows = _served(summary, "fashion_mnist", f"dataset.path={data}")  # uint8 images, as in the files
+    assert rows["image"].dtype == np.uint8 and rows["image"].shape[1:] == (28, 28)
+    assert (answers.argmax(axis=1) == rows["label"]).mean() == pytest.approx(summary.metrics["val_accuracy"], abs=1e-9)
 
 
 def test_char_gpt_learns_a_text_reports_tokens_and_logs_a_sample(ray_session, workspace, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from sklearn.datasets import load_digits
 
 from raytrain_ddp import ConfigError, load_config, with_overrides
 from raytrain_ddp import checkpoint as ckpt
@@ -106,10 +107,12 @@ def test_the_registered_model_reproduces_the_reported_validation_accuracy(straig
     model = mlflow.pytorch.load_model(summary.model.uri)
     val = recipes.load("digits").build_datasets(seed=config.seed, **config.dataset)["val"]
     batch = val.take_all()
-    images = torch.from_numpy(np.stack([row["image"] for row in batch]))
+    pixels = np.stack([row["pixels"] for row in batch])
+    digits = load_digits().data  # raw scans in: pixel values 0..16, the model normalizes them itself
+    assert pixels.shape == (DIGITS_VAL_ROWS, 64) and all((digits == row).all(axis=1).any() for row in pixels)
     labels = np.array([row["label"] for row in batch])
     with torch.no_grad():
-        accuracy = float((model(images).argmax(dim=1).numpy() == labels).mean())
+        accuracy = float((model(torch.from_numpy(pixels)).argmax(dim=1).numpy() == labels).mean())
     assert len(labels) == DIGITS_VAL_ROWS
     assert accuracy == pytest.approx(summary.metrics["val_accuracy"], abs=1e-9)
     assert accuracy >= 0.9

@@ -4,28 +4,14 @@ inside the model. (Trained end to end and served over HTTP: tests/system/test_fi
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 from sklearn.datasets import load_wine
 
 from raytrain_ddp import load_config, recipe
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 
-
-def write_readme_job(directory: Path) -> Path:
-    section = README.read_text().split("## Writing your own job", 1)[1].split("\n## ", 1)[0]
-    [python] = re.findall(r"```python\n(.*?)```", section, re.S)
-    [yaml] = re.findall(r"```yaml\n(.*?)```", section, re.S)
-    (directory / "wine.py").write_text(python)
-    (directory / "wine.yaml").write_text(yaml)
-    return directory / "wine.py"
-
-
-def test_the_readme_job_loads_trains_and_evaluates(tmp_path):
-    job = write_readme_job(tmp_path)
+def test_the_readme_job_loads_trains_and_evaluates(readme_job):
+    job = readme_job
     config = load_config(str(job), overrides=["dataset.path=wine.csv"])
     assert config.model == {"hidden": 32}
     assert config.dataset == {"path": "wine.csv", "label": "target", "val_fraction": 0.25}
