@@ -177,8 +177,9 @@ class MLflowSettings(_Section):
     register: Literal["always", "if_better", "never"] = Field(
         "if_better",
         description="when a finished run registers its best checkpoint's model as a new version: always; "
-        "if_better = only if its checkpoint.score_attribute beats the latest version's (or that version has no "
-        "comparable score); never = nothing in the registry. `raytrain-ddp register RUN_DIR` registers anyway",
+        "if_better (the default) = only if its checkpoint.score_attribute beats the latest version's (or that "
+        "version has no comparable score); never = nothing in the registry. "
+        "`raytrain-ddp register RUN_DIR` registers anyway",
     )
 
     @model_validator(mode="after")
