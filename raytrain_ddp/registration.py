@@ -136,7 +136,7 @@ def register_checkpoint(
             return Registration(best.location, metrics, registered, note, []), best.skipped
         c = config.checkpoint
         score = tracking.Score(c.score_attribute, c.score_order, float(metrics[c.score_attribute]))
-        register, note = _is_better(config, score) if policy == "if_better" else (True, "")
+        register, note = is_better(config, score) if policy == "if_better" else (True, "")
         if not register:
             return Registration(best.location, metrics, None, note, []), best.skipped
         model = recipe.make_model(config)
@@ -155,7 +155,7 @@ def register_checkpoint(
     return Registration(best.location, metrics, registered, note, sorted(artifacts)), best.skipped
 
 
-def _is_better(config: Config, score: tracking.Score) -> tuple[bool, str]:
+def is_better(config: Config, score: tracking.Score) -> tuple[bool, str]:
     """mlflow.register=if_better: whether `score` beats the latest version's (strictly: an equal
     score adds nothing), and the reason in a line. A latest version without a score on the same
     metric and order (registered before versions were tagged with it, by hand, or with another
