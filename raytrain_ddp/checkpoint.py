@@ -15,6 +15,8 @@ Tensors load with `torch.load(weights_only=True)`: reading a checkpoint never un
 objects. Reading starts with `open_verified`, which checks the manifest once; `open_first_verified`
 walks a run's checkpoints (newest first, or best first) and opens the first that verifies, naming
 each one it skipped and why; `open_resume_point` is the one place that decides where a run resumes.
+`rank` is the one place that decides which checkpoint is best (the console's ★, registration, the
+summary), by the rule Ray Train uses to decide which checkpoints to keep.
 
 Checkpoints are named for where training stood: `epoch_0003` at the end of epoch 3,
 `epoch_0004-step_0000450` at step 450, in epoch 4.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -198,6 +201,30 @@ def newest_first(reported: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]]
     """A run's committed checkpoints (with the metrics reported with each), newest first: by the
     optimizer step they were written at, which only grows within a run."""
     return [checkpoint for checkpoint, metrics in sorted(reported, key=lambda cm: cm[1].get("step", -1), reverse=True)]
+
+
+def rank(metrics: dict[str, Any], score_attribute: str, score_order: str) -> tuple[bool, float, int]:
+    """How good the checkpoint reported with `metrics` is; a larger rank is better. Ray Train 2.60's
+    checkpoint manager, deciding what `checkpoint.num_to_keep` keeps, ranks by the score (NaN or a
+    missing score last), and among equal scores ranks the later report better: it deletes the
+    earliest of equals first. So here: the score, then the step (which only grows within a run). The
+    console's ★ best, the checkpoint registered and the summary's best checkpoint all follow it, so
+    the one they name is the one Ray keeps."""
+    value = float(metrics.get(score_attribute, math.nan))
+    step = int(metrics.get("step", -1))
+    if math.isnan(value):
+        return False, -math.inf, step
+    return True, value if score_order == "max" else -value, step
+
+
+def best_first(
+    reported: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]], score_attribute: str, score_order: str
+) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:
+    """A run's committed (checkpoint, metrics), best first by `rank`. Equal in score and step (a step
+    trained again after its checkpoint was found damaged): the one Ray lists later, as Ray ranks it."""
+    indexed = list(enumerate(reported))
+    indexed.sort(key=lambda item: (*rank(item[1][1], score_attribute, score_order), item[0]), reverse=True)
+    return [checkpoint_metrics for _, checkpoint_metrics in indexed]
 
 
 def run_record(run_path: str) -> ray.train.Result | None:

@@ -4,7 +4,7 @@ raytrain-ddp train digits                              # the flagship job on a l
 raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
 raytrain-ddp train digits --print-config               # validate and show the resolved config
 raytrain-ddp jobs                                      # the jobs it can find
-raytrain-ddp register runs/<name>                      # register a finished run's model later
+raytrain-ddp register runs/<name>                      # register a finished run's model (whatever mlflow.register said)
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     register = commands.add_parser(
         "register",
         help="register the model of a run that finished training but was not registered",
-        description="Register the best checkpoint of a finished run whose driver could not (the MLflow tracking "
-        "server was down, say). Registering twice creates no second version.",
+        description="Register the best checkpoint of a finished run that was not registered: its driver could not "
+        "(the MLflow tracking server was down, say), or its mlflow.register (if_better, never) said no. It registers "
+        "whatever that setting says. Registering twice creates no second version.",
     )
     register.add_argument(
         "run", help="the run's directory: <run.storage_path>/<run.name> (a path or URI, e.g. s3://bucket/runs/name)"

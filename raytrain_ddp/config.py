@@ -8,6 +8,7 @@ file and `key=value` overrides, and validated as a whole, is `layering.py`'s.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -158,14 +159,28 @@ class RunSettings(_Section):
         return self
 
 
+# `register` shadows the `register` classmethod every pydantic model inherits from ABCMeta (for
+# virtual subclasses, never used on a config); pydantic warns about it at import, to no purpose.
+warnings.filterwarnings("ignore", message='Field name "register" in "MLflowSettings" shadows', category=UserWarning)
+
+
 class MLflowSettings(_Section):
-    """Where metrics and the final model go."""
+    """Where metrics and the final model go, and whether the model is registered."""
 
     tracking_uri: str | None = Field(
         None, description="null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory"
     )
     experiment: str | None = Field(None, description="experiment name; null = the job name")
     model_name: str | None = Field(None, description="registered model name; null = the job name")
+    # if_better by default: a registry is where a user looks for the model to use, and a version per
+    # run (a worse one included) buries it; the first run of a model still registers.
+    register: Literal["always", "if_better", "never"] = Field(
+        "if_better",
+        description="when a finished run registers its best checkpoint's model as a new version: always; "
+        "if_better (the default) = only if its checkpoint.score_attribute beats the latest version's (or that "
+        "version has no comparable score); never = nothing in the registry. "
+        "`raytrain-ddp register RUN_DIR` registers anyway",
+    )
 
     @model_validator(mode="after")
     def _no_credentials(self) -> MLflowSettings:

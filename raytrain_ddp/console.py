@@ -20,6 +20,7 @@ from ray.util.queue import Empty, Queue
 from rich.console import Console
 from rich.markup import escape
 
+from raytrain_ddp.checkpoint import rank
 from raytrain_ddp.metrics import GENERATED, STOPPED
 from raytrain_ddp.optim import optimizer_steps
 
@@ -62,7 +63,9 @@ class LiveProgress:
         self.score, self.order = config.checkpoint.score_attribute, config.checkpoint.score_order
         self.max_failures, self.latest = config.run.max_failures, plan.resume.checkpoint
         self.relay: ProgressRelay | None = None  # for the trainer's callbacks, from __enter__ on
-        self.best: float | None = None
+        # The rank of the run's best checkpoint so far (a resumed run's included): ★ marks a report
+        # whose checkpoint becomes the best, by the rule registration follows (checkpoint.rank).
+        self.best = None if plan.resume.best is None else rank(plan.resume.best, self.score, self.order)
         self.failures: list[str] = []
         self.stopped: str | None = None
         self._status = console.status(f"Starting {config.scaling.num_workers} training workers…")
@@ -100,12 +103,10 @@ class LiveProgress:
             self.stopped = m[STOPPED]
             self.console.print(f"[red]stopping[/]: {escape(self.stopped)}")
             return
-        score = m.get(self.score)
-        improved = score is not None and (
-            self.best is None or (score > self.best if self.order == "max" else score < self.best)
-        )
+        ranked = rank(m, self.score, self.order)
+        improved = self.score in m and (self.best is None or ranked > self.best)
         if improved:
-            self.best = score
+            self.best = ranked
         values = "  ".join(f"{k} [bold]{v:.4f}[/]" for k, v in m.items() if is_quality_metric(k, v))
         best = "  [green]★ best[/]" if improved else ""
         epoch = m["epoch"]

@@ -6,7 +6,7 @@
 A run is: plan (resolve names and paths, join or start Ray, build the datasets, find where the run
 stands) -> checks (everything that can refuse it before a worker starts) -> fit (a TorchTrainer of
 `loop.train_loop_per_worker`, holding the run's lease) -> register (the best verified checkpoint's
-model, in MLflow) -> summary.
+model, in MLflow, as `mlflow.register` says) -> summary.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from raytrain_ddp.summary import RunSummary, show
 
 def run(config: Config, *, verbose: bool = False, console: Console | None = None) -> RunSummary:
     """Train `config` to its last epoch (resuming the run if it exists), register the best
-    checkpoint's model, and return the summary. Raises ConfigError before any worker starts if the
+    checkpoint's model (as `mlflow.register` says: the summary says whether, and why), and return the
+    summary. Raises ConfigError before any worker starts if the
     config, the recipe, the cluster, the storage, the tracking server or the run's record rule it
     out, RunBusy if another driver is training the run, RunFailed if training fails, and
     RegistrationFailed if training finished but the model could not be registered."""
@@ -48,7 +49,8 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         with lease.Lease(plan.run_path):
             run_id = tracking.start_run(plan.config, plan.run_path)
             trained = fit(plan, run_id, console, verbose)
-            registration = register_best(plan, trained.best_checkpoints, run_id, console)
+            policy = plan.config.mlflow.register
+            registration = register_best(plan, trained.best_checkpoints, run_id, console, policy)
     summary = _summarize(plan, trained, registration, run_id, time.monotonic() - started)
     show(console, summary)
     return summary
@@ -166,6 +168,7 @@ def _summarize(plan: Plan, trained: Trained, registration: Registration, run_id:
         final_metrics=trained.final_metrics,
         best_checkpoint=registration.checkpoint,
         model=registration.model,
+        registration=registration.note,
         mlflow_run_id=run_id,
         artifacts=registration.artifacts,
         tracking_uri=config.mlflow.tracking_uri,

@@ -35,6 +35,7 @@ class ResumePoint:
     step: int = 0
     skipped: list[str] = field(default_factory=list)  # newer checkpoints that failed verification, and why
     saved_config: dict[str, Any] | None = None  # the config it was written with
+    best: dict[str, Any] | None = None  # metrics of the run's best checkpoint so far (checkpoint.best_first)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def make(config: Config, *, verbose: bool, console: Console) -> Plan:
         train_rows=train_rows,
         example=example,
         batches_per_epoch=data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last),
-        resume=_resume_point(run_path, config.run.name),
+        resume=_resume_point(run_path, config),
         resume_command=resume_command(config),
         extend_command=resume_command(config, epochs="N"),
     )
@@ -155,18 +156,20 @@ def _build_datasets(config: Config, recipe: Recipe) -> tuple[dict[str, Any], Any
         raise ConfigError(config.job, [str(e)]) from None
 
 
-def _resume_point(run_path: str, run_name: str) -> ResumePoint:
+def _resume_point(run_path: str, config: Config) -> ResumePoint:
     record = ckpt.run_record(run_path)
     if record is None:
         return ResumePoint()
+    c = config.checkpoint
+    [(_, best), *_] = ckpt.best_first(record.best_checkpoints, c.score_attribute, c.score_order)
     try:
         with ckpt.open_resume_point(record.checkpoint, record.best_checkpoints) as opened:
             metrics = opened.verified.metrics()
             skipped = [str(s) for s in opened.skipped]
             return ResumePoint(
-                opened.name, float(metrics["epoch"]), int(metrics["step"]), skipped, opened.verified.config()
+                opened.name, float(metrics["epoch"]), int(metrics["step"]), skipped, opened.verified.config(), best
             )
     except ckpt.NoValidCheckpoint as e:
         raise RunFailed(
-            f"run {run_name} cannot resume: {e}\nrestore the files, or start a new run (run.name=null)"
+            f"run {config.run.name} cannot resume: {e}\nrestore the files, or start a new run (run.name=null)"
         ) from None

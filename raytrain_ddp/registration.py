@@ -1,18 +1,21 @@
-"""Registering a run's model: the best of its checkpoints that verifies, logged to MLflow with an input
-example and registered as a new version of `mlflow.model_name`. `driver.run` does it when training
-finishes; `register(run_path)` does it later, for a run whose driver could not (the tracking server
-was down, say). Both go through `register_best`.
+"""Registering a run's model: the best of its checkpoints that verifies (best by `checkpoint.rank`, the
+rule the console's ★ follows), logged to MLflow with an input example and registered as a new
+version of `mlflow.model_name`, as `mlflow.register` says: always, if_better (only if its score beats
+the latest version's), or never. `driver.run` does it when training finishes; `register(run_path)`
+does it later, whatever the policy, for a run that was not registered (the tracking server was
+down, say, or the policy said no). Both go through `register_best`.
 
     raytrain-ddp register runs/<name>
 """
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import ray
 import ray.train
@@ -29,12 +32,15 @@ from raytrain_ddp.errors import RegistrationFailed
 from raytrain_ddp.plan import Plan
 from raytrain_ddp.recipe import Recipe
 
+Policy = Literal["always", "if_better", "never"]
+
 
 @dataclass(frozen=True)
 class Registration:
-    checkpoint: str  # where the registered checkpoint is: a path, or a URI
+    checkpoint: str  # the run's best checkpoint (the one registered, if one was): a path, or a URI
     metrics: dict[str, Any]  # reported with it
-    model: tracking.RegisteredModel
+    model: tracking.RegisteredModel | None  # None: not registered; `note` says why and how to register it
+    note: str  # what was decided and why, in a line ("" for a plain new version)
     artifacts: list[str]  # the recipe's text artifacts, logged beside the model
 
 
@@ -43,32 +49,38 @@ def register(
 ) -> tracking.RegisteredModel:
     """Register the best checkpoint of a run that finished training but whose model was not
     registered, with the config saved in its checkpoints, into `tracking_uri` (default: the one the
-    run used). Idempotent: a version this run already registered for that checkpoint is returned, not
-    duplicated."""
+    run used), whatever its `mlflow.register` said. Idempotent: a version this run already registered
+    for that checkpoint is returned, not duplicated."""
     console = console or Console(soft_wrap=True)
     with session.bounded_mlflow_retries():
         plan = planning.make(planning.finished_config(run_path, tracking_uri), verbose=verbose, console=console)
         with lease.Lease(plan.run_path):
             run_id = tracking.start_run(plan.config, plan.run_path)
-            registration = register_best(plan, ckpt.run_record(plan.run_path).best_checkpoints, run_id, console)
+            checkpoints = ckpt.run_record(plan.run_path).best_checkpoints
+            registration = register_best(plan, checkpoints, run_id, console, policy="always")
     model, config = registration.model, plan.config
+    note = f" ({registration.note})" if registration.note else ""
     console.print(
-        f"{config.run.name}: {registration.checkpoint} is [bold]{model.name}[/] version {model.version} ({model.uri}); "
-        f"MLflow run {run_id} in {config.mlflow.tracking_uri}"
+        f"{config.run.name}: {registration.checkpoint} is [bold]{model.name}[/] version {model.version} ({model.uri})"
+        f"{escape(note)}; MLflow run {run_id} in {config.mlflow.tracking_uri}"
     )
     return model
 
 
 def register_best(
-    plan: Plan, checkpoints: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]], run_id: str, console: Console
+    plan: Plan,
+    checkpoints: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]],
+    run_id: str,
+    console: Console,
+    policy: Policy,
 ) -> Registration:
-    """Register the best of the run's (checkpoint, metrics) that verifies, saying which better ones
-    were damaged, and mark the MLflow run FINISHED. Raises RegistrationFailed, with the command that
-    registers later, if MLflow fails on the way (the MLflow run is then marked FAILED)."""
+    """Register the best of the run's (checkpoint, metrics) that verifies, as `policy` says, saying
+    which better ones were damaged, and mark the MLflow run FINISHED. Raises RegistrationFailed, with
+    the command that registers later, if MLflow fails on the way (the MLflow run is then marked FAILED)."""
     config = plan.config
     try:
         with console.status("Registering the best checkpoint's model in MLflow…"):
-            registration = _register(plan, checkpoints, run_id, console)
+            registration = _register(plan, checkpoints, run_id, console, policy)
         tracking.finish_run(config, run_id, "FINISHED")
     except Exception as e:
         tracking.end_failed_run(config, run_id, "FAILED")
@@ -80,20 +92,31 @@ def register_best(
     return registration
 
 
-def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console) -> Registration:
+def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console, policy: Policy) -> Registration:
     config = plan.config
-    score, order = config.checkpoint.score_attribute, config.checkpoint.score_order
-    ranked = [checkpoint for checkpoint, _ in sorted(checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")]
+    best_first = ckpt.best_first(checkpoints, config.checkpoint.score_attribute, config.checkpoint.score_order)
+    register_anyway = shlex.join(["raytrain-ddp", "register", plan.run_path])
+    if policy == "never":  # nothing is read or asked of the registry: the best as Ray ranks it, unverified
+        best, metrics = best_first[0]
+        note = f"not registered (mlflow.register=never); register it: {register_anyway}"
+        return Registration(ckpt.location(best), metrics, None, note, [])
+    ranked = [checkpoint for checkpoint, _ in best_first]
     if plan.recipe.holds_large_model:  # where the memory is: a task with a training worker's resources
         s = config.scaling
         task = ray.remote(register_checkpoint).options(
             num_cpus=s.resources_per_worker.get("CPU", 1.0), num_gpus=1 if s.use_gpu else 0, max_retries=0
         )
-        registration, skipped = ray.get(task.remote(config, plan.recipe, ranked, plan.example, run_id, plan.fitted))
+        registration, skipped = ray.get(
+            task.remote(config, plan.recipe, ranked, plan.example, run_id, policy, plan.fitted)
+        )
     else:
-        registration, skipped = register_checkpoint(config, plan.recipe, ranked, plan.example, run_id, plan.fitted)
+        registration, skipped = register_checkpoint(
+            config, plan.recipe, ranked, plan.example, run_id, policy, plan.fitted
+        )
     for damaged in skipped:
         console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(damaged))}")
+    if registration.model is None:
+        return replace(registration, note=f"{registration.note}; register it anyway: {register_anyway}")
     return registration
 
 
@@ -103,16 +126,24 @@ def register_checkpoint(
     ranked: list[ray.train.Checkpoint],
     example: dict[str, torch.Tensor],
     run_id: str,
+    policy: Literal["always", "if_better"],
     fitted: Any = None,
 ) -> tuple[Registration, list[ckpt.Skipped]]:
     """Build the model, load the first of `ranked` that verifies, log it (the recipe's log_model, else
     as a PyTorch model with `example` as its input example) with the recipe's artifacts, and register
     it. Returns the registration and the better checkpoints skipped as damaged. A checkpoint this run
-    registered already is returned as it is, without building the model."""
+    registered already is returned as it is, and one that `policy` if_better turns down is not
+    registered; neither builds the model."""
     with ckpt.open_first_verified(ranked) as best:
         metrics = best.verified.metrics()
         if (registered := tracking.registered_version(config, run_id, best.location)) is not None:
-            return Registration(best.location, metrics, registered, []), best.skipped
+            note = "already registered: the run's best checkpoint is the one registered before"
+            return Registration(best.location, metrics, registered, note, []), best.skipped
+        c = config.checkpoint
+        score = tracking.Score(c.score_attribute, c.score_order, float(metrics[c.score_attribute]))
+        register, note = is_better(config, score) if policy == "if_better" else (True, "")
+        if not register:
+            return Registration(best.location, metrics, None, note, []), best.skipped
         model = recipe.make_model(config, fitted)  # the checkpoint's buffers then replace what was fitted
         ckpt.load_weights(model, best.verified.model_state())
     model.eval()
@@ -120,10 +151,33 @@ def register_checkpoint(
         log = partial(recipe.log_model, model)
     else:  # two rows, so the exported model keeps a dynamic batch dimension
         log = partial(tracking.log_pytorch_model, model, recipe.model_input(example).numpy())
-    registered = tracking.register_model(config, run_id, best.location, log)
+    registered = tracking.register_model(config, run_id, best.location, score, log)
     artifacts = {}
     if recipe.artifacts is not None:
         with torch.no_grad():
             artifacts = recipe.artifacts(model)
         tracking.log_texts(config, run_id, artifacts)
-    return Registration(best.location, metrics, registered, sorted(artifacts)), best.skipped
+    return Registration(best.location, metrics, registered, note, sorted(artifacts)), best.skipped
+
+
+def is_better(config: Config, score: tracking.Score) -> tuple[bool, str]:
+    """mlflow.register=if_better: whether `score` beats the latest version's (strictly: an equal
+    score adds nothing), and the reason in a line. A latest version without a score on the same
+    metric and order (registered before versions were tagged with it, by hand, or with another
+    checkpoint.score_attribute) cannot be compared: the model is registered, since refusing would
+    leave the run unregistered over a number that does not exist, and the note says so."""
+    latest = tracking.latest_version(config)
+    if latest is None:
+        return True, ""  # the model's first version
+    mine, theirs = score, latest.score
+    if theirs is None or (theirs.attribute, theirs.order) != (mine.attribute, mine.order) or math.isnan(theirs.value):
+        held = "no score" if theirs is None else f"{theirs.attribute} ({theirs.order}) {theirs.value:.6g}"
+        return True, (
+            f"registered: version {latest.version} has {held}, not comparable with {mine.attribute} ({mine.order}); "
+            "mlflow.register=if_better registers what it cannot compare"
+        )
+    better = mine.value > theirs.value if mine.order == "max" else mine.value < theirs.value
+    versus = f"{mine.attribute} {mine.value:.6g} is {'' if better else 'not '}better than version {latest.version}'s"
+    if better:
+        return True, f"{versus} {theirs.value:.6g}"
+    return False, f"not registered: {versus} {theirs.value:.6g} (mlflow.register=if_better)"

@@ -22,7 +22,8 @@ class RunSummary:
     metrics: dict[str, Any]  # reported with the best checkpoint: the registered model's
     final_metrics: dict[str, Any]  # of the last epoch
     best_checkpoint: str
-    model: tracking.RegisteredModel
+    model: tracking.RegisteredModel | None  # None: not registered (mlflow.register); `registration` says why
+    registration: str  # what registration decided and why, with the command that registers anyway; "" = new version
     mlflow_run_id: str
     artifacts: list[str]  # the recipe's text artifacts in the MLflow run
     tracking_uri: str
@@ -41,8 +42,7 @@ def show(console: Console, summary: RunSummary) -> None:
         ("validation samples", f"{best.get('val_samples')} (each counted once across {summary.workers} workers)"),
         ("throughput", f"{throughput(summary.final_metrics)} (last epoch)"),
         ("best checkpoint", f"{summary.best_checkpoint}  (epoch {best.get('epoch'):.4g}, step {best.get('step')})"),
-        ("registered model", f"{summary.model.name}  version {summary.model.version}"),
-        ("model URI", summary.model.uri),
+        *_registration_rows(summary),
         ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
         *([("artifacts", ", ".join(summary.artifacts))] if summary.artifacts else []),
         ("MLflow UI", summary.ui_command),
@@ -60,3 +60,13 @@ def show(console: Console, summary: RunSummary) -> None:
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         console.print(f"  [bold]{key:<{width}}[/]  {escape(value)}", soft_wrap=True, highlight=False)
+
+
+def _registration_rows(summary: RunSummary) -> list[tuple[str, str]]:
+    model, note = summary.model, summary.registration
+    if model is None:
+        return [("registered model", note)]
+    return [
+        ("registered model", f"{model.name}  version {model.version}" + (f"  ({note})" if note else "")),
+        ("model URI", model.uri),
+    ]

@@ -34,6 +34,11 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "raytrain_ddp.run_name"
 RUN_PATH_TAG = "raytrain_ddp.run_path"  # <storage_path>/<run name>: with the name, what identifies a run
 CHECKPOINT_TAG = "raytrain_ddp.checkpoint"
+# On each registered version: the checkpoint's score, so mlflow.register=if_better compares numbers
+# it knows the meaning of (a version without them, or on another metric, is not comparable).
+SCORE_ATTRIBUTE_TAG = "raytrain_ddp.score_attribute"
+SCORE_ORDER_TAG = "raytrain_ddp.score_order"
+SCORE_TAG = "raytrain_ddp.score"
 MODEL_ARTIFACT = "model"
 GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
 # MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
@@ -48,10 +53,20 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Score:
+    """A checkpoint's score: the value of `checkpoint.score_attribute`, and whether more is better."""
+
+    attribute: str
+    order: Literal["max", "min"]
+    value: float
+
+
+@dataclass(frozen=True)
 class RegisteredModel:
     name: str
     version: int
     uri: str  # models:/<name>/<version>
+    score: Score | None = None  # from the version's tags; None for a version registered without them
 
 
 def resolve_tracking_uri(setting: str | None) -> str:
@@ -245,11 +260,12 @@ class MLflowMetrics(ray.train.UserCallback):
 
 
 def register_model(
-    config: Config, run_id: str, checkpoint_path: str, log_model: Callable[[str], Any]
+    config: Config, run_id: str, checkpoint_path: str, score: Score, log_model: Callable[[str], Any]
 ) -> RegisteredModel:
     """Log the best checkpoint's model (`log_model(name)`, inside the MLflow run, returns MLflow's
-    ModelInfo) and register it as a new version of `mlflow.model_name`. Callers first ask
-    `registered_version`: registering a checkpoint twice returns its version."""
+    ModelInfo) and register it as a new version of `mlflow.model_name`, tagged with the checkpoint
+    and its score. Callers first ask `registered_version`: registering a checkpoint twice returns its
+    version."""
     client = MlflowClient(config.mlflow.tracking_uri)
     name = config.mlflow.model_name
     # Inside: registering a `models:/m-...` source resolves it through MLflow's global tracking URI.
@@ -266,9 +282,15 @@ def register_model(
             source=info.model_uri,
             run_id=run_id,
             model_id=info.model_id,
-            tags={CHECKPOINT_TAG: checkpoint_path, RUN_NAME_TAG: config.run.name},
+            tags={
+                CHECKPOINT_TAG: checkpoint_path,
+                RUN_NAME_TAG: config.run.name,
+                SCORE_ATTRIBUTE_TAG: score.attribute,
+                SCORE_ORDER_TAG: score.order,
+                SCORE_TAG: repr(score.value),
+            },
         )
-    return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+    return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}", score)
 
 
 def registered_version(config: Config, run_id: str, checkpoint_path: str) -> RegisteredModel | None:
@@ -278,8 +300,31 @@ def registered_version(config: Config, run_id: str, checkpoint_path: str) -> Reg
         f"name = '{name}' and run_id = '{run_id}'"
     ):
         if version.tags.get(CHECKPOINT_TAG) == checkpoint_path:
-            return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}")
+            return _registered(version)
     return None
+
+
+def latest_version(config: Config) -> RegisteredModel | None:
+    """The newest version of `mlflow.model_name` (the highest number), with its score; None if the
+    model has no version (or does not exist)."""
+    name = config.mlflow.model_name
+    found = MlflowClient(config.mlflow.tracking_uri).search_model_versions(
+        f"name = '{name}'", max_results=1, order_by=["version_number DESC"]
+    )
+    return _registered(found[0]) if found else None
+
+
+def _registered(version: Any) -> RegisteredModel:
+    """A model version as MLflow returns it, with the score it was tagged with (if it was)."""
+    tags = version.tags
+    score = None
+    if tags.get(SCORE_ORDER_TAG) in ("max", "min") and SCORE_ATTRIBUTE_TAG in tags:
+        try:
+            score = Score(tags[SCORE_ATTRIBUTE_TAG], tags[SCORE_ORDER_TAG], float(tags.get(SCORE_TAG, "")))
+        except ValueError:  # edited by hand, say: not a number, so not comparable
+            score = None
+    name = version.name
+    return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}", score)
 
 
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:

@@ -182,3 +182,57 @@ def test_a_model_with_frozen_parameters_checkpoints_only_what_trains_and_loads_b
         ckpt.load_weights(build(seed=2), {"2.bias": weights["2.bias"]})
     with pytest.raises(ckpt.CheckpointError, match=r"unexpected \['3.weight'\]"):
         ckpt.load_weights(build(seed=2), {**weights, "3.weight": torch.zeros(1)})
+
+
+def test_equal_scores_rank_the_later_checkpoint_best_as_ray_keeps_it(tmp_path):
+    """Ray Train's checkpoint manager itself (no Ray started): three checkpoints with one val_loss and
+    num_to_keep=2. Ray deletes the first and ranks the last best; `best_first` agrees, and so does
+    `rank`, which the console's ★ best uses."""
+    import asyncio
+
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    async def fit() -> None:  # the manager notifies its listeners on the running event loop
+        manager = CheckpointManager(
+            CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"),
+            StorageContext(storage_path=str(tmp_path), experiment_dir_name="run"),
+        )
+        for step in (10, 20, 30):
+            directory = tmp_path / "run" / f"step_{step}"
+            directory.mkdir(parents=True)
+            report = _TrainingReport(ray.train.Checkpoint(str(directory)), {"val_loss": 0.5, "step": step}, False)
+            manager.register_checkpoint(report)
+
+    asyncio.run(fit())
+    record = ray.train.Result.from_path(str(tmp_path / "run"))
+    assert sorted(p.name for p in (tmp_path / "run").glob("step_*")) == ["step_20", "step_30"]  # the first deleted
+    ranked = ckpt.best_first(record.best_checkpoints, "val_loss", "min")
+    assert [Path(checkpoint.path).name for checkpoint, _ in ranked] == ["step_30", "step_20"]
+    assert ckpt.rank({"val_loss": 0.5, "step": 30}, "val_loss", "min") > ckpt.rank(
+        {"val_loss": 0.5, "step": 20}, "val_loss", "min"
+    )
+
+
+@pytest.mark.parametrize(
+    ("order", "scores", "best"),
+    [
+        ("min", [0.3, 0.1, 0.2, 0.1], 3),  # the later of two equal bests
+        ("max", [0.3, 0.9, 0.9, 0.2], 2),
+        ("max", [float("nan"), 0.1, float("-inf")], 1),  # NaN ranks last, below -inf (as in Ray)
+        ("min", [0.2, float("nan")], 0),
+    ],
+)
+def test_best_first_ranks_by_score_then_by_step(order, scores, best):
+    reported = [(f"checkpoint {i}", {"val_x": s, "step": 10 * (i + 1)}) for i, s in enumerate(scores)]
+    ranked = ckpt.best_first(reported, "val_x", order)
+    assert ranked[0] == reported[best]
+    assert sorted(ranked, key=lambda cm: cm[1]["step"]) == reported  # nothing lost or duplicated
+
+
+def test_a_checkpoint_trained_again_at_the_same_step_and_score_ranks_by_ray_order():
+    """A step retrained after a damaged checkpoint (`epoch_0003-retrained`): Ray lists it later, so better."""
+    reported = [("epoch_0003", {"val_x": 0.5, "step": 18}), ("epoch_0003-retrained", {"val_x": 0.5, "step": 18})]
+    assert [name for name, _ in ckpt.best_first(reported, "val_x", "min")] == ["epoch_0003-retrained", "epoch_0003"]
