@@ -58,7 +58,7 @@ def make(config: Config, *, verbose: bool, console: Console) -> Plan:
     ConfigError for a recipe that cannot build its datasets, RunFailed for a run whose checkpoints
     are all damaged."""
     origin = layering.origin_of(config)
-    config = _resolve(config, origin.recipe.name)
+    config = _resolve(config, origin.job.name)
     run_path = f"{config.run.storage_path}/{config.run.name}"
     preflight.check_before_ray(config, run_path)
     with tracking.opening_store(config.mlflow.tracking_uri):
@@ -102,7 +102,7 @@ def finished_config(run_path: str, tracking_uri: str | None) -> Config:
         }
     )
     if epoch < config.train.epochs:
-        resume = resume_command(_resolve(config, layering.origin_of(config).recipe.name))
+        resume = resume_command(_resolve(config, layering.origin_of(config).job.name))
         raise ConfigError(
             config.job,
             [f"run {name} has not finished training (epoch {epoch:g} of {config.train.epochs}); resume it: {resume}"],
@@ -115,7 +115,7 @@ def resume_command(config: Config, *, epochs: str | None = None) -> str:
     differs from its job's own YAML (a resumed run must keep them), resolved as from the current
     directory; `epochs`, if given, replaces train.epochs."""
     job_yaml = _with_name(layering.job_config(config), config.run.name)
-    overrides = layering.overrides_against(config, _resolve(job_yaml, layering.origin_of(config).recipe.name))
+    overrides = layering.overrides_against(config, _resolve(job_yaml, layering.origin_of(config).job.name))
     if epochs is not None:
         overrides = [o for o in overrides if not o.startswith("train.epochs=")] + [f"train.epochs={epochs}"]
     return shlex.join(["raytrain-ddp", "train", config.job, f"run.name={config.run.name}", *overrides])
