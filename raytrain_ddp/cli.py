@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import yaml
 from pydantic import BaseModel
 
+from raytrain_ddp import ray_address
 from raytrain_ddp import recipe as recipes
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.layering import load_config
@@ -87,6 +88,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
+    if problem := ray_address.check_environment().problem:  # in a second, before torch and Ray load
+        print(f"error: {ConfigError(config.job, [problem])}", file=sys.stderr)
+        return 2
 
     from raytrain_ddp.driver import run  # torch, Ray, MLflow: only to train
     from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted

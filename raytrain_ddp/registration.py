@@ -47,7 +47,8 @@ def register(
     duplicated."""
     console = console or Console(soft_wrap=True)
     with session.bounded_mlflow_retries():
-        plan = planning.make(planning.finished_config(run_path, tracking_uri), verbose=verbose, console=console)
+        standing = planning.stand(planning.finished_config(run_path, tracking_uri))
+        plan = planning.make(standing, verbose=verbose, console=console)
         with lease.Lease(plan.run_path):
             run_id = tracking.start_run(plan.config, plan.run_path)
             registration = register_best(plan, ckpt.run_record(plan.run_path).best_checkpoints, run_id, console)
@@ -80,10 +81,29 @@ def register_best(
     return registration
 
 
+def registered_already(standing: planning.Standing) -> Registration | None:
+    """For a finished run, the model version its MLflow run registered for its best checkpoint that
+    verifies (the one `register_best` registers), read without Ray; None if there is none."""
+    config = standing.config
+    run_id = tracking.find_run(config, standing.run_path)
+    record = ckpt.run_record(standing.run_path)
+    if run_id is None or record is None:
+        return None
+    with ckpt.open_first_verified(_ranked(config, record.best_checkpoints)) as best:
+        if (model := tracking.registered_version(config, run_id, best.location)) is None:
+            return None
+        return Registration(best.location, best.verified.metrics(), model, [])
+
+
+def _ranked(config: Config, checkpoints: Iterable) -> list[ray.train.Checkpoint]:
+    """(checkpoint, metrics) pairs, best first by the score metric."""
+    score, order = config.checkpoint.score_attribute, config.checkpoint.score_order
+    return [checkpoint for checkpoint, _ in sorted(checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")]
+
+
 def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console) -> Registration:
     config = plan.config
-    score, order = config.checkpoint.score_attribute, config.checkpoint.score_order
-    ranked = [checkpoint for checkpoint, _ in sorted(checkpoints, key=lambda cm: cm[1][score], reverse=order == "max")]
+    ranked = _ranked(config, checkpoints)
     if plan.recipe.holds_large_model:  # where the memory is: a task with a training worker's resources
         s = config.scaling
         task = ray.remote(register_checkpoint).options(
