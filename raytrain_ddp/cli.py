@@ -29,7 +29,9 @@ overrides:
   model.* and dataset.* are the keyword arguments of the recipe's build_model / build_datasets.
   Unknown keys, wrong types and impossible values are all reported at once, before Ray starts.
   Running again with the same run.name (and run.storage_path) resumes that run where its newest valid
-  checkpoint left off; a run another live driver is training is refused.
+  checkpoint left off; a run another live driver is training is refused; a finished one says so at once
+  (train it longer with train.epochs=N). RAY_ADDRESS names the cluster to join (host:port of its GCS,
+  or auto); unset, a local Ray is started.
 
 keys (default: meaning):
 """
