@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import random
 from collections.abc import Iterable, Iterator
@@ -229,11 +230,17 @@ def best_first(
 
 def run_record(run_path: str) -> ray.train.Result | None:
     """Ray's record of a run's committed checkpoints, read from its directory on storage; None for a
-    run with no checkpoint committed yet (or no directory)."""
+    run with no checkpoint committed yet (or no directory). Reads storage only: no Ray needed."""
+    # Ray Train announces, at INFO, that it found the run's record: expected here, and said by the plan.
+    announcer = logging.getLogger("ray.train.v2._internal.execution.checkpoint.checkpoint_manager")
+    level = announcer.level
+    announcer.setLevel(max(level, logging.WARNING))
     try:
         record = ray.train.Result.from_path(run_path)
     except RuntimeError:
         return None
+    finally:
+        announcer.setLevel(level)
     return record if record.best_checkpoints else None
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import yaml
 from pydantic import BaseModel
 
+from raytrain_ddp import ray_address
 from raytrain_ddp import recipe as recipes
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.layering import load_config
@@ -28,7 +29,9 @@ overrides:
   model.* and dataset.* are the keyword arguments of the recipe's build_model / build_datasets.
   Unknown keys, wrong types and impossible values are all reported at once, before Ray starts.
   Running again with the same run.name (and run.storage_path) resumes that run where its newest valid
-  checkpoint left off; a run another live driver is training is refused.
+  checkpoint left off; a run another live driver is training is refused; a finished one says so at once
+  (train it longer with train.epochs=N). RAY_ADDRESS names the cluster to join (host:port of its GCS,
+  or auto); unset, a local Ray is started.
 
 keys (default: meaning):
 """
@@ -88,6 +91,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
+    if problem := ray_address.check_environment().problem:  # in a second, before torch and Ray load
+        print(f"error: {ConfigError(config.job, [problem])}", file=sys.stderr)
+        return 2
 
     from raytrain_ddp.driver import run  # torch, Ray, MLflow: only to train
     from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted

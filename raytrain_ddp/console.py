@@ -138,11 +138,12 @@ def show_plan(console: Console, plan: Plan) -> None:
     config, t, resume = plan.config, plan.config.train, plan.resume
     accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
     steps = optimizer_steps(plan.batches_per_epoch, t.grad_accum_steps)
-    resuming = (
-        f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})"
-        if resume.checkpoint
-        else ""
-    )
+    if resume.checkpoint:
+        resuming = f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})"
+    elif plan.named:  # a run.name that was meant to resume, maybe, given in another directory
+        resuming = f", new run (no checkpoint of a run {config.run.name} in {config.run.storage_path})"
+    else:
+        resuming = ""
     console.print(
         f"[bold]{config.run.name}[/]: job {plan.recipe.name}, {config.scaling.num_workers} workers × batch "
         f"{t.batch_size}{accumulation}, {plan.train_rows} training rows ({steps} steps/epoch){resuming}, "

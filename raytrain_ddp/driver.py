@@ -29,7 +29,7 @@ from raytrain_ddp.config import Config
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.loop import train_loop_per_worker
 from raytrain_ddp.plan import Plan
-from raytrain_ddp.registration import Registration, register_best
+from raytrain_ddp.registration import Registration, register_best, registered_already
 from raytrain_ddp.summary import RunSummary, show
 
 
@@ -39,11 +39,20 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     summary. Raises ConfigError before any worker starts if the
     config, the recipe, the cluster, the storage, the tracking server or the run's record rule it
     out, RunBusy if another driver is training the run, RunFailed if training fails, and
-    RegistrationFailed if training finished but the model could not be registered."""
+    RegistrationFailed if training finished but the model could not be registered.
+
+    A run that had already finished, with its model registered, is answered from its record without
+    starting Ray: the summary of that run, with `already_finished` set (a finished run whose model is
+    not registered yet is registered, as after training)."""
     started = time.monotonic()
     console = console or Console(soft_wrap=True)
     with session.bounded_mlflow_retries():
-        plan = planning.make(config, verbose=verbose, console=console)
+        standing = planning.stand(config)
+        if standing.finished and (registered := registered_already(standing)) is not None:
+            summary = _already_finished(standing, registered, time.monotonic() - started)
+            show(console, summary)
+            return summary
+        plan = planning.make(standing, verbose=verbose, console=console)
         preflight.check(plan)
         ui.show_plan(console, plan)
         with lease.Lease(plan.run_path):
@@ -154,6 +163,30 @@ def _trainer(plan: Plan, run_id: str, relay: ui.ProgressRelay) -> TorchTrainer:
         ),
         datasets=plan.datasets if ray_data else None,
         dataset_config=data.dataset_config(),
+    )
+
+
+def _already_finished(standing: planning.Standing, registration: Registration, wall_time_s: float) -> RunSummary:
+    config, resume = standing.config, standing.resume
+    return RunSummary(
+        run_name=config.run.name,
+        run_path=standing.run_path,
+        epochs=int(resume.epoch),
+        workers=config.scaling.num_workers,
+        metrics=registration.metrics,
+        final_metrics=resume.metrics,
+        best_checkpoint=registration.checkpoint,
+        model=registration.model,
+        mlflow_run_id=tracking.find_run(config, standing.run_path),
+        artifacts=[],
+        tracking_uri=config.mlflow.tracking_uri,
+        ui_command=tracking.ui_command(config.mlflow.tracking_uri),
+        extend_command=planning.resume_command(config, epochs="N"),
+        wall_time_s=wall_time_s,
+        resumed=resume,
+        attempts=0,
+        failures=[],
+        already_finished=True,
     )
 
 

@@ -4,8 +4,9 @@
 
 Every problem is reported at once, each naming its key path, the layer the bad value came from and
 what is allowed. The `model:` and `dataset:` mappings are checked against the signatures of the
-recipe's `build_model` / `build_datasets`, so loading a config finds the job and imports its recipe:
-once per command, since the config keeps both (its `_origin`) for everything derived from it later.
+recipe's `build_model` / `build_datasets`, so loading a config finds the job and reads them (from the
+recipe's source where it can: no torch to import): once per command, since the config keeps the job
+(its `_origin`) for everything derived from it later, and imports the recipe when a run needs it.
 
     >>> config = load_config("digits", overrides=["train.epochs=2"])
     >>> with_overrides(config, "train.lr=3e-4").train.lr
@@ -35,52 +36,59 @@ class Layer(NamedTuple):
 
 @dataclass(frozen=True)
 class Origin:
-    """What a config was made of: the recipe it was validated against, the job's own layers (the
+    """What a config was made of: the job it was validated against, the job's own layers (the
     defaults and the job's YAML) and the layers over them."""
 
-    recipe: recipes.Recipe
+    job: recipes.Job
     job_layers: tuple[Layer, ...]
     layers: tuple[Layer, ...] = ()
 
+    @property
+    def recipe(self) -> recipes.Recipe:
+        """The job's recipe, imported on first use; a recipe that breaks the contract is a ConfigError."""
+        try:
+            return self.job.recipe
+        except recipes.RecipeError as e:
+            raise ConfigError(self.job.name, [str(e)]) from None
+
 
 def load_config(job: str, *, config_file: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Find `job`, import its recipe, layer the config files and overrides, validate everything."""
-    recipe, job_layers = _job(job)
+    """Find `job`, read its settings' schemas, layer the config files and overrides, validate everything."""
+    found, job_layers = _job(job)
     layers = [Layer(str(config_file), _read_yaml(job, Path(config_file)))] if config_file else []
-    return _validate(Origin(recipe, job_layers, (*layers, *_override_layers(job, overrides))))
+    return _validate(Origin(found, job_layers, (*layers, *_override_layers(job, overrides))))
 
 
-def _job(job: str) -> tuple[recipes.Recipe, tuple[Layer, ...]]:
-    """The job's recipe, imported, and its own layers: the defaults and its YAML."""
+def _job(job: str) -> tuple[recipes.Job, tuple[Layer, ...]]:
+    """The job (its files and settings' schemas) and its own layers: the defaults and its YAML."""
     try:
-        files = recipes.find_job(job)
-        recipe = recipes.load(files)
+        found = recipes.open_job(job)
     except recipes.RecipeError as e:
         raise ConfigError(job, [str(e)]) from None
     job_layers = [Layer("defaults", {"job": job})]
-    if files.yaml:
-        job_layers.append(Layer(str(files.yaml), _read_yaml(job, files.yaml)))
-    return recipe, tuple(job_layers)
+    if found.files.yaml:
+        job_layers.append(Layer(str(found.files.yaml), _read_yaml(job, found.files.yaml)))
+    return found, tuple(job_layers)
 
 
 def with_overrides(config: Config, *overrides: str) -> Config:
     """A copy of `config` with `key.sub=value` overrides applied on top, validated."""
     origin = origin_of(config)
-    return _validate(Origin(origin.recipe, origin.job_layers, origin.layers + _override_layers(config.job, overrides)))
+    return _validate(Origin(origin.job, origin.job_layers, origin.layers + _override_layers(config.job, overrides)))
 
 
 def job_config(config: Config) -> Config:
     """The config of `config`'s job as its YAML sets it, before any other layer."""
     origin = origin_of(config)
-    return _validate(Origin(origin.recipe, origin.job_layers), complete=False)
+    return _validate(Origin(origin.job, origin.job_layers), complete=False)
 
 
 def origin_of(config: Config) -> Origin:
     """How `config` was made; for a config rebuilt from a dict (a checkpoint's), its job is found and
-    imported now, and the dict is the layer over the job's own."""
+    read now, and the dict is the layer over the job's own."""
     if config._origin is None:
-        recipe, job_layers = _job(config.job)
-        config._origin = Origin(recipe, job_layers, (Layer("saved config", config.to_dict()),))
+        found, job_layers = _job(config.job)
+        config._origin = Origin(found, job_layers, (Layer("saved config", config.to_dict()),))
     return config._origin
 
 
@@ -105,7 +113,7 @@ def _validate(origin: Origin, complete: bool = True) -> Config:
     except ValidationError as e:
         problems += [_describe(err, sources) for err in e.errors()]
     recipe_kwargs = {}
-    for section, schema in (("model", origin.recipe.model_kwargs), ("dataset", origin.recipe.dataset_kwargs)):
+    for section, schema in (("model", origin.job.model_kwargs), ("dataset", origin.job.dataset_kwargs)):
         try:
             recipe_kwargs[section] = schema.model_validate(merged.get(section) or {}).model_dump()
         except ValidationError as e:

@@ -1,11 +1,14 @@
 """A run's plan: everything decided before training, resolved once from the loaded config and then
 read by the rest of the run (the checks, the trainer, registration and the summary).
 
-    make(config):  the recipe the config was loaded with
-                   -> names and paths: run name, <storage_path>/<name>, tracking URI, MLflow names
-                   -> what can be refused before Ray starts (preflight.check_before_ray)
-                   -> Ray: the recipe's datasets, two validation rows, where the run stands
-                   -> the commands that resume the run, and train it longer
+    stand(config):  names and paths: run name, <storage_path>/<name>, tracking URI, MLflow names
+                    -> what can be refused before Ray starts (preflight.check_before_ray)
+                    -> where the run stands (its newest verified checkpoint), what a resume may not change
+    make(standing): the recipe the config was loaded with
+                    -> Ray: the recipe's datasets, two validation rows
+                    -> the commands that resume the run, and train it longer
+
+A finished run is known from its `Standing`, before Ray starts (`Standing.finished`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from rich.console import Console
 
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data, layering, preflight, session, storage, tracking
+from raytrain_ddp import data, layering, preflight, ray_address, session, storage, tracking
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.recipe import Recipe
@@ -36,6 +39,23 @@ class ResumePoint:
     skipped: list[str] = field(default_factory=list)  # newer checkpoints that failed verification, and why
     saved_config: dict[str, Any] | None = None  # the config it was written with
     best: dict[str, Any] | None = None  # metrics of the run's best checkpoint so far (checkpoint.best_first)
+    metrics: dict[str, Any] = field(default_factory=dict)  # reported with it
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A run before Ray starts: its resolved config, directory and resume point, and the Ray to join."""
+
+    config: Config  # resolved: run name, absolute storage path and tracking URI, MLflow names
+    run_path: str  # <storage_path>/<run name>
+    resume: ResumePoint
+    address: ray_address.RayAddress
+    named: bool  # run.name was given (not made up for a new run)
+
+    @property
+    def finished(self) -> bool:
+        """Trained to train.epochs already: its newest checkpoint that verifies is the last epoch's."""
+        return self.resume.checkpoint is not None and self.resume.epoch >= self.config.train.epochs
 
 
 @dataclass(frozen=True)
@@ -53,37 +73,68 @@ class Plan:
     resume: ResumePoint
     resume_command: str  # continues this run
     extend_command: str  # continues it with train.epochs=N: trains it longer
+    named: bool = True  # run.name was given (not made up for a new run)
 
 
-def make(config: Config, *, verbose: bool, console: Console) -> Plan:
-    """The plan of a run of `config`. Raises RunBusy or ConfigError before Ray starts where it can,
-    ConfigError for a recipe that cannot build its datasets, RunFailed for a run whose checkpoints
-    are all damaged."""
-    origin = layering.origin_of(config)
-    config = _resolve(config, origin.recipe.name)
+def stand(config: Config) -> Standing:
+    """Where a run of `config` stands, decided before Ray starts. Raises RunBusy, ConfigError (a
+    RAY_ADDRESS, tracking server or path that cannot be used; a resume that changes what it may not),
+    or RunFailed for a run whose checkpoints are all damaged."""
+    named = config.run.name is not None
+    config = _resolve(config, layering.origin_of(config).job.name)
     run_path = f"{config.run.storage_path}/{config.run.name}"
-    preflight.check_before_ray(config, run_path)
+    address = preflight.check_before_ray(config, run_path)
+    resume = _resume_point(run_path, config)
+    if resume.saved_config is not None and (conflicts := preflight.resume_conflicts(resume.saved_config, config)):
+        raise ConfigError(
+            config.job, [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
+        )
+    return Standing(config, run_path, resume, address, named)
+
+
+def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
+    """The plan of the run that `standing` found: Ray joined or started, the recipe imported and its
+    datasets built. Raises ConfigError for a recipe that breaks the contract or cannot build its
+    datasets, or a RAY_ADDRESS that answers but not as a Ray cluster."""
+    config, origin = standing.config, layering.origin_of(standing.config)
+    recipe = origin.recipe
     with tracking.opening_store(config.mlflow.tracking_uri):
+        if standing.address.note:
+            console.print(f"[dim]{standing.address.note}[/]", highlight=False)
         with console.status("Starting Ray…"):
-            session.connect(verbose)
+            _connect(config, standing.address, verbose)
         with console.status("Building datasets…"):
-            datasets, fitted = _build_datasets(config, origin.recipe)
+            datasets, fitted = _build_datasets(config, recipe)
             train_rows = data.num_rows(datasets["train"])
             example = data.example_batch(datasets["val"])
     t = config.train
     return Plan(
         config=config,
-        recipe=origin.recipe,
-        run_path=run_path,
+        recipe=recipe,
+        run_path=standing.run_path,
         datasets=datasets,
         fitted=fitted,
         train_rows=train_rows,
         example=example,
         batches_per_epoch=data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last),
-        resume=_resume_point(run_path, config),
+        resume=standing.resume,
         resume_command=resume_command(config),
         extend_command=resume_command(config, epochs="N"),
+        named=standing.named,
     )
+
+
+def _connect(config: Config, address: ray_address.RayAddress, verbose: bool) -> None:
+    try:
+        session.connect(address, verbose)
+    except ConnectionError as e:  # the port answered, but not as a Ray GCS
+        raise ConfigError(
+            config.job,
+            [
+                f"RAY_ADDRESS={address.join}: no Ray cluster answered there ({e}); give the head's GCS address "
+                f"(host:{ray_address.GCS_PORT} by default), or unset RAY_ADDRESS to start a local Ray"
+            ],
+        ) from None
 
 
 def finished_config(run_path: str, tracking_uri: str | None) -> Config:
@@ -105,7 +156,7 @@ def finished_config(run_path: str, tracking_uri: str | None) -> Config:
         }
     )
     if epoch < config.train.epochs:
-        resume = resume_command(_resolve(config, layering.origin_of(config).recipe.name))
+        resume = resume_command(_resolve(config, layering.origin_of(config).job.name))
         raise ConfigError(
             config.job,
             [f"run {name} has not finished training (epoch {epoch:g} of {config.train.epochs}); resume it: {resume}"],
@@ -118,7 +169,7 @@ def resume_command(config: Config, *, epochs: str | None = None) -> str:
     differs from its job's own YAML (a resumed run must keep them), resolved as from the current
     directory; `epochs`, if given, replaces train.epochs."""
     job_yaml = _with_name(layering.job_config(config), config.run.name)
-    overrides = layering.overrides_against(config, _resolve(job_yaml, layering.origin_of(config).recipe.name))
+    overrides = layering.overrides_against(config, _resolve(job_yaml, layering.origin_of(config).job.name))
     if epochs is not None:
         overrides = [o for o in overrides if not o.startswith("train.epochs=")] + [f"train.epochs={epochs}"]
     return shlex.join(["raytrain-ddp", "train", config.job, f"run.name={config.run.name}", *overrides])
@@ -167,7 +218,13 @@ def _resume_point(run_path: str, config: Config) -> ResumePoint:
             metrics = opened.verified.metrics()
             skipped = [str(s) for s in opened.skipped]
             return ResumePoint(
-                opened.name, float(metrics["epoch"]), int(metrics["step"]), skipped, opened.verified.config(), best
+                opened.name,
+                float(metrics["epoch"]),
+                int(metrics["step"]),
+                skipped,
+                opened.verified.config(),
+                best,
+                metrics,
             )
     except ckpt.NoValidCheckpoint as e:
         raise RunFailed(

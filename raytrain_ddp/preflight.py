@@ -1,10 +1,12 @@
 """What is checked before any training worker starts, so that bad input costs seconds and writes nothing.
 
-Before Ray starts (`check_before_ray`): a run another live driver holds, a tracking server that cannot
-be reached or refuses the credentials, storage that would vanish with the job. Then, with the plan in
+Before Ray starts (`check_before_ray`): a run another live driver holds, a RAY_ADDRESS where no cluster
+answers, a tracking server that cannot be reached or refuses the credentials, storage that would vanish
+with the job. Then, with the plan in
 hand (`check`): the recipe on two validation rows, the score metric, whether the cluster can ever hold
-the workers, whether every node sees the storage, and what a resumed run may not change. Every
-problem is reported at once, as one ConfigError.
+the workers, whether every node sees the storage. What a resumed run may not change (`resume_conflicts`)
+is refused before Ray starts too, once the run's checkpoint is read (plan.stand). Every problem is
+reported at once, as one ConfigError.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import data, lease, storage, tracking
+from raytrain_ddp import data, lease, ray_address, session, storage, tracking
 from raytrain_ddp.config import Config, ConfigError, flatten
 from raytrain_ddp.metrics import reported_metrics
 from raytrain_ddp.recipe import Recipe
@@ -49,13 +51,16 @@ RESUMABLE = (
 )
 
 
-def check_before_ray(config: Config, run_path: str) -> None:
-    """Raise RunBusy if another live driver trains the run, ConfigError for a tracking server that
-    cannot be used or paths that would not outlast the job: seconds, before Ray starts."""
+def check_before_ray(config: Config, run_path: str) -> ray_address.RayAddress:
+    """Raise RunBusy if another live driver trains the run, ConfigError for a RAY_ADDRESS where no
+    cluster answers, a tracking server that cannot be used or paths that would not outlast the job:
+    seconds, before Ray starts. Returns the Ray to join."""
     lease.check(run_path)
+    address = session.ray_address()
     server = tracking.check_server(config.mlflow.tracking_uri)
-    if problems := check_lasting_paths(config) + ([server] if server else []):
+    if problems := check_lasting_paths(config) + [p for p in (address.problem, server) if p]:
         raise ConfigError(config.job, problems)
+    return address
 
 
 def check(plan: Plan) -> None:
@@ -68,11 +73,6 @@ def check(plan: Plan) -> None:
         + check_resources(config, plan.datasets)
         + storage.check_shared(config.run.storage_path)
     )
-    if plan.resume.saved_config is not None:
-        problems += [
-            f"{conflict} (resuming {plan.run_path}; or start a new run: run.name=null)"
-            for conflict in resume_conflicts(plan.resume.saved_config, config)
-        ]
     if problems:
         raise ConfigError(config.job, problems)
 

@@ -43,7 +43,9 @@ so they are saved with every checkpoint and applied inside the logged model.
 
 The YAML's `model:` and `dataset:` mappings are those keyword arguments, validated against the
 signatures (types, and pydantic constraints such as `Annotated[float, Field(gt=0, lt=1)]`) before Ray
-starts, so each default and each limit lives once, in the recipe.
+starts, so each default and each limit lives once, in the recipe. `open_job` reads the two signatures
+from the recipe's source where they are simple (`signatures.py`), so checking or printing a config
+imports no torch; the recipe itself is imported when a command first needs its functions.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import ray.cloudpickle
 from pydantic import BaseModel, ConfigDict, create_model
+
+from raytrain_ddp import signatures
 
 if TYPE_CHECKING:
     import torch
@@ -109,14 +112,6 @@ class Recipe:
     log_model: Callable[..., Any] | None = None
 
     @property
-    def model_kwargs(self) -> type[BaseModel]:
-        return _kwargs_schema(self.build_model, skip=SERVICE_KWARGS["build_model"])
-
-    @property
-    def dataset_kwargs(self) -> type[BaseModel]:
-        return _kwargs_schema(self.build_datasets, skip=SERVICE_KWARGS["build_datasets"])
-
-    @property
     def holds_large_model(self) -> bool:
         """Whether the driver must not build the model (the recipe gives its architecture instead)."""
         return self.build_empty_model is not None
@@ -132,6 +127,39 @@ class Recipe:
     def make_datasets(self, config: Config) -> Any:
         kwargs = _with_service_kwargs(self.build_datasets, dict(config.dataset), model=dict(config.model))
         return self.build_datasets(seed=config.seed, **kwargs)
+
+
+@dataclass
+class Job:
+    """A job found: its files, the schemas of its `model:` and `dataset:` settings, and its recipe,
+    imported on first use of `recipe` (which raises RecipeError for a recipe that breaks the contract)."""
+
+    files: JobFiles
+    model_kwargs: type[BaseModel]
+    dataset_kwargs: type[BaseModel]
+    _recipe: Recipe | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.files.name
+
+    @property
+    def recipe(self) -> Recipe:
+        if self._recipe is None:
+            self._recipe = load(self.files)
+        return self._recipe
+
+
+def open_job(job: str) -> Job:
+    """Find `job` and read the schemas of its settings: from the recipe's source where the two
+    signatures are simple, else by importing the recipe (and checking its contract)."""
+    files = find_job(job)
+    read = signatures.read(files.recipe)
+    if read is not None:
+        return Job(files, *(kwargs_schema(name, read[name]) for name in signatures.FUNCTIONS))
+    recipe = load(files)
+    imported = [inspect.signature(getattr(recipe, name), eval_str=True) for name in signatures.FUNCTIONS]
+    return Job(files, *(kwargs_schema(n, s) for n, s in zip(signatures.FUNCTIONS, imported, strict=True)), recipe)
 
 
 def job_search_path() -> list[Path]:
@@ -197,6 +225,8 @@ def _import(files: JobFiles) -> ModuleType:
         except Exception as e:
             del sys.modules[module_name]
             raise RecipeError(f"recipe {files.recipe} failed to import: {type(e).__name__}: {e}") from e
+        import ray.cloudpickle
+
         # Ship the recipe's code to the workers with its functions instead of requiring jobs/ there.
         ray.cloudpickle.register_pickle_by_value(module)
     return module
@@ -208,16 +238,18 @@ def _with_service_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any], **servi
     return kwargs | {k: v for k, v in service.items() if k in names}
 
 
-def _kwargs_schema(fn: Callable[..., Any], skip: tuple[str, ...]) -> type[BaseModel]:
+def kwargs_schema(function: str, signature: inspect.Signature) -> type[BaseModel]:
+    """The pydantic model of the settings of a recipe's `function` (build_model or build_datasets):
+    its keyword arguments but the service's own."""
     fields = {}
-    for name, param in inspect.signature(fn, eval_str=True).parameters.items():
-        if name in skip or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+    for name, param in signature.parameters.items():
+        if name in SERVICE_KWARGS[function] or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         annotation = Any if param.annotation is inspect.Parameter.empty else param.annotation
         default = ... if param.default is inspect.Parameter.empty else param.default
         fields[name] = (annotation, default)
     return create_model(
-        f"{fn.__name__}_kwargs",
+        f"{function}_kwargs",
         __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True),
         **fields,
     )

@@ -53,7 +53,8 @@ def register(
     for that checkpoint is returned, not duplicated."""
     console = console or Console(soft_wrap=True)
     with session.bounded_mlflow_retries():
-        plan = planning.make(planning.finished_config(run_path, tracking_uri), verbose=verbose, console=console)
+        standing = planning.stand(planning.finished_config(run_path, tracking_uri))
+        plan = planning.make(standing, verbose=verbose, console=console)
         with lease.Lease(plan.run_path):
             run_id = tracking.start_run(plan.config, plan.run_path)
             checkpoints = ckpt.run_record(plan.run_path).best_checkpoints
@@ -90,6 +91,23 @@ def register_best(
             f"register it later: {shlex.join(['raytrain-ddp', 'register', plan.run_path])}"
         ) from e
     return registration
+
+
+def registered_already(standing: planning.Standing) -> Registration | None:
+    """For a finished run, the model version its MLflow run registered for its best checkpoint that
+    verifies (the one `register_best` registers), read without Ray; None if there is none."""
+    config = standing.config
+    run_id = tracking.find_run(config, standing.run_path)
+    record = ckpt.run_record(standing.run_path)
+    if run_id is None or record is None:
+        return None
+    c = config.checkpoint
+    best_first = ckpt.best_first(record.best_checkpoints, c.score_attribute, c.score_order)
+    ranked = [checkpoint for checkpoint, _ in best_first]
+    with ckpt.open_first_verified(ranked) as best:
+        if (model := tracking.registered_version(config, run_id, best.location)) is None:
+            return None
+        return Registration(best.location, best.verified.metrics(), model, "already registered", [])
 
 
 def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console, policy: Policy) -> Registration:

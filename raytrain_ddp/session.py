@@ -1,4 +1,8 @@
-"""The Ray session a command runs in, and the environment it sets up for Ray and MLflow."""
+"""The Ray session a command runs in, and the environment it sets up for Ray and MLflow.
+
+Which Ray: the one this process already `ray.init()`-ed (a notebook's), else the cluster RAY_ADDRESS
+names (as `ray job submit` sets it, checked by `ray_address.py` before Ray starts), else a new local one.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +15,30 @@ import ray
 import ray.data
 
 from raytrain_ddp import tracking
+from raytrain_ddp.ray_address import ADDRESS_ENV, RayAddress, check_environment
 
 # Ray Train reads its controller's poll interval from the driver's environment when fit() starts.
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+# How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
+GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 
 
-def connect(verbose: bool) -> None:
-    """Join the cluster named by RAY_ADDRESS (as `ray job submit` sets it), else start a local Ray."""
+def ray_address() -> RayAddress:
+    """RAY_ADDRESS, checked (`ray_address.check_environment`); nothing to join if this process has a Ray."""
+    return RayAddress() if ray.is_initialized() else check_environment()
+
+
+def connect(address: RayAddress, verbose: bool) -> None:
+    """Join `address` (checked by `ray_address`), else start a local Ray, unless this process has one.
+    A cluster that accepts the connection but does not answer like a Ray GCS raises ConnectionError."""
     if not ray.is_initialized():
-        ray.init(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.ERROR)
+        logging_level = logging.INFO if verbose else logging.ERROR
+        # RAY_ADDRESS wins over ray.init's argument: set it to what was checked while Ray starts. Ray
+        # tries a GCS for ~40 s, 20 times over (13 minutes, for a port that answers but is no GCS):
+        # once is enough for a cluster that runs (the environment may say otherwise).
+        joined = {ADDRESS_ENV: address.join, GCS_ATTEMPTS_ENV: os.environ.get(GCS_ATTEMPTS_ENV, "1")}
+        with environment(joined if address.join else {}):
+            ray.init(log_to_driver=verbose, logging_level=logging_level)
     context = ray.data.DataContext.get_current()
     # A recipe's datasets in the same row order every time: without it, a materialized map_batches
     # lists its blocks in the order its tasks finished, and the data order would not be a function

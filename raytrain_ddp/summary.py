@@ -31,8 +31,9 @@ class RunSummary:
     extend_command: str  # resumes the run with train.epochs=N: train it longer
     wall_time_s: float
     resumed: ResumePoint  # where this driver found the run: a new run, or its checkpoint
-    attempts: int  # 1 + restarts of the workers after failures
+    attempts: int  # 1 + restarts of the workers after failures; 0: nothing trained (already_finished)
     failures: list[str]  # one line per failed attempt: which rank failed, how, and where it restarted
+    already_finished: bool = False  # the run had finished and was registered before: nothing was done
 
 
 def show(console: Console, summary: RunSummary) -> None:
@@ -49,14 +50,21 @@ def show(console: Console, summary: RunSummary) -> None:
         ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
     ]
     resumed = summary.resumed
-    if resumed.checkpoint:
+    if resumed.checkpoint and not summary.already_finished:
         rows.insert(0, ("resumed from", f"{resumed.checkpoint} (epoch {resumed.epoch:.4g}, step {resumed.step})"))
     if summary.failures:
         restarts = "; ".join(f"{i}: {failure}" for i, failure in enumerate(summary.failures, 1))
         rows.insert(0, ("attempts", f"{summary.attempts}, after failures: {restarts}"))
     minutes, seconds = divmod(round(summary.wall_time_s), 60)
     epochs = f"{summary.epochs} epoch{'s' if summary.epochs != 1 else ''}"
-    console.print(f"\n[bold]{summary.run_name}[/] finished: {epochs} in {minutes}m {seconds:02d}s")
+    if summary.already_finished:
+        console.print(
+            f"[bold]{summary.run_name}[/] has already finished training ({epochs}) and its model is registered: "
+            f"nothing to do. To train it longer: {escape(summary.extend_command)} with N > {summary.epochs}",
+            highlight=False,
+        )
+    else:
+        console.print(f"\n[bold]{summary.run_name}[/] finished: {epochs} in {minutes}m {seconds:02d}s")
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         console.print(f"  [bold]{key:<{width}}[/]  {escape(value)}", soft_wrap=True, highlight=False)

@@ -178,8 +178,7 @@ def start_run(config: Config, run_path: str) -> str:
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
     name, path = config.run.name, run_path
-    identity = f"tags.`{RUN_NAME_TAG}` = '{name}' and tags.`{RUN_PATH_TAG}` = '{path}'"
-    found = client.search_runs([experiment_id], filter_string=identity, max_results=1)
+    found = client.search_runs([experiment_id], filter_string=_identity(name, path), max_results=1)
     params = {key: str(value) for key, value in config.flat().items()}
     if found:
         run = found[0]
@@ -197,6 +196,26 @@ def start_run(config: Config, run_path: str) -> str:
         client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
     client.log_dict(run.info.run_id, config.to_dict(), "config.yaml")
     return run.info.run_id
+
+
+def find_run(config: Config, run_path: str) -> str | None:
+    """The id of the MLflow run of the training run at `run_path`, if the tracking store has one; a
+    database that does not exist is not created."""
+    uri = config.mlflow.tracking_uri
+    if uri.startswith("sqlite:") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return None
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(config.mlflow.experiment)
+    if experiment is None:
+        return None
+    found = client.search_runs(
+        [experiment.experiment_id], filter_string=_identity(config.run.name, run_path), max_results=1
+    )
+    return found[0].info.run_id if found else None
+
+
+def _identity(run_name: str, run_path: str) -> str:
+    return f"tags.`{RUN_NAME_TAG}` = '{run_name}' and tags.`{RUN_PATH_TAG}` = '{run_path}'"
 
 
 def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:

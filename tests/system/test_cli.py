@@ -166,3 +166,34 @@ def _still_running(processes: list[psutil.Process], wait_s: float) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
+
+
+def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(tmp_path, monkeypatch):
+    """A run.name with nothing to resume says "new run" and where it looked; the same command once the
+    run has finished answers from the run's record, without Ray, with the command that trains it longer."""
+    import ray
+
+    from raytrain_ddp import load_config, run
+
+    command = ["train", TINY, "run.name=done", "train.epochs=1", "scaling.resources_per_worker={CPU: 0.5}"]
+    first = raytrain_ddp(*command, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"new run (no checkpoint of a run done in {tmp_path}/runs)" in first.stdout
+
+    started = time.monotonic()
+    again = raytrain_ddp(*command, cwd=tmp_path)
+    took = time.monotonic() - started
+
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "done has already finished training (1 epoch) and its model is registered: nothing to do" in again.stdout
+    assert f"To train it longer: raytrain-ddp train {TINY} run.name=done train.epochs=N with N > 1" in again.stdout
+    assert "registered model    tiny  version 1" in again.stdout
+    assert again.stderr == ""
+    assert took < 30  # was 76 s: Ray started, the workers trained nothing, registration found its version
+
+    # From Python: the same answer, as the run's summary, and no Ray started in this process.
+    monkeypatch.chdir(tmp_path)
+    summary = run(load_config(TINY, overrides=command[2:]))
+    assert summary.already_finished and summary.attempts == 0 and summary.model.version == 1
+    assert summary.best_checkpoint == f"{tmp_path}/runs/done/epoch_0001"
+    assert not ray.is_initialized()
