@@ -30,7 +30,7 @@ FEATURES = list(_DATA.feature_names)
 
 def build_model(
     *,
-    fitted: dict[str, np.ndarray],
+    fitted: dict,  # {"mean": ..., "std": ...} of the training rows, from build_datasets
     hidden: Annotated[int, Field(ge=1)] = 64,
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.2,
 ) -> nn.Module:

@@ -32,7 +32,7 @@ FEATURES = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]
 
 def build_model(
     *,
-    fitted: dict[str, np.ndarray],
+    fitted: dict,  # the training rows' statistics, from build_datasets
     hidden: Annotated[int, Field(ge=1)] = 64,
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1,
 ) -> nn.Module:
