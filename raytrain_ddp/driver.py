@@ -29,7 +29,7 @@ from raytrain_ddp.config import Config
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.loop import train_loop_per_worker
 from raytrain_ddp.plan import Plan
-from raytrain_ddp.registration import Registration, register_best, registered_already
+from raytrain_ddp.registration import Registration, decided_already, register_best
 from raytrain_ddp.summary import RunSummary, show
 
 
@@ -41,15 +41,16 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     out, RunBusy if another driver is training the run, RunFailed if training fails, and
     RegistrationFailed if training finished but the model could not be registered.
 
-    A run that had already finished, with its model registered, is answered from its record without
-    starting Ray: the summary of that run, with `already_finished` set (a finished run whose model is
-    not registered yet is registered, as after training)."""
+    A run that had already finished, with its model registered (or not, as `mlflow.register` decides
+    without the model), is answered from its record without starting Ray: the summary of that run,
+    with `already_finished` set (a finished run whose model is still to register is registered, as
+    after training)."""
     started = time.monotonic()
     console = console or Console(soft_wrap=True)
     with session.bounded_mlflow_retries():
         standing = planning.stand(config)
-        if standing.finished and (registered := registered_already(standing)) is not None:
-            summary = _already_finished(standing, registered, time.monotonic() - started)
+        if standing.finished and (decided := decided_already(standing)) is not None:
+            summary = _already_finished(standing, decided, time.monotonic() - started)
             show(console, summary)
             return summary
         plan = planning.make(standing, verbose=verbose, console=console)
@@ -177,6 +178,7 @@ def _already_finished(standing: planning.Standing, registration: Registration, w
         final_metrics=resume.metrics,
         best_checkpoint=registration.checkpoint,
         model=registration.model,
+        registration=registration.note,
         mlflow_run_id=tracking.find_run(config, standing.run_path),
         artifacts=[],
         tracking_uri=config.mlflow.tracking_uri,

@@ -33,6 +33,7 @@ from raytrain_ddp.plan import Plan
 from raytrain_ddp.recipe import Recipe
 
 Policy = Literal["always", "if_better", "never"]
+NEVER = "not registered (mlflow.register=never)"
 
 
 @dataclass(frozen=True)
@@ -93,30 +94,51 @@ def register_best(
     return registration
 
 
-def registered_already(standing: planning.Standing) -> Registration | None:
-    """For a finished run, the model version its MLflow run registered for its best checkpoint that
-    verifies (the one `register_best` registers), read without Ray; None if there is none."""
+def decided_already(standing: planning.Standing) -> Registration | None:
+    """For a finished run, what registering its best checkpoint that verifies would decide, where that
+    needs neither Ray nor the model: the version its MLflow run registered for it, or that it is not
+    registered (mlflow.register=never, or if_better and the latest version's score is as good), and
+    why. None where registration has work to do. Reads the run's record and the registry only."""
     config = standing.config
     run_id = tracking.find_run(config, standing.run_path)
     record = ckpt.run_record(standing.run_path)
     if run_id is None or record is None:
         return None
-    c = config.checkpoint
-    best_first = ckpt.best_first(record.best_checkpoints, c.score_attribute, c.score_order)
-    ranked = [checkpoint for checkpoint, _ in best_first]
+    ranked = [checkpoint for checkpoint, _ in _best_first(config, record.best_checkpoints)]
     with ckpt.open_first_verified(ranked) as best:
-        if (model := tracking.registered_version(config, run_id, best.location)) is None:
-            return None
-        return Registration(best.location, best.verified.metrics(), model, "already registered", [])
+        metrics = best.verified.metrics()
+        if (model := tracking.registered_version(config, run_id, best.location)) is not None:
+            return Registration(best.location, metrics, model, "already registered", [])
+    if config.mlflow.register == "always":
+        return None
+    anyway = shlex.join(["raytrain-ddp", "register", standing.run_path])
+    if config.mlflow.register == "never":
+        return Registration(best.location, metrics, None, f"{NEVER}; register it: {anyway}", [])
+    register, note = _decide(config, metrics)
+    return None if register else Registration(best.location, metrics, None, f"{note}; register it anyway: {anyway}", [])
+
+
+def _best_first(config: Config, checkpoints: Iterable) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:
+    return ckpt.best_first(checkpoints, config.checkpoint.score_attribute, config.checkpoint.score_order)
+
+
+def _decide(config: Config, metrics: dict[str, Any]) -> tuple[bool, str]:
+    """mlflow.register=if_better's decision for a checkpoint reported with `metrics`, and its reason."""
+    return is_better(config, _score(config, metrics))
+
+
+def _score(config: Config, metrics: dict[str, Any]) -> tracking.Score:
+    c = config.checkpoint
+    return tracking.Score(c.score_attribute, c.score_order, float(metrics[c.score_attribute]))
 
 
 def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console, policy: Policy) -> Registration:
     config = plan.config
-    best_first = ckpt.best_first(checkpoints, config.checkpoint.score_attribute, config.checkpoint.score_order)
+    best_first = _best_first(config, checkpoints)
     register_anyway = shlex.join(["raytrain-ddp", "register", plan.run_path])
     if policy == "never":  # nothing is read or asked of the registry: the best as Ray ranks it, unverified
         best, metrics = best_first[0]
-        note = f"not registered (mlflow.register=never); register it: {register_anyway}"
+        note = f"{NEVER}; register it: {register_anyway}"
         return Registration(ckpt.location(best), metrics, None, note, [])
     ranked = [checkpoint for checkpoint, _ in best_first]
     if plan.recipe.holds_large_model:  # where the memory is: a task with a training worker's resources
@@ -157,9 +179,7 @@ def register_checkpoint(
         if (registered := tracking.registered_version(config, run_id, best.location)) is not None:
             note = "already registered: the run's best checkpoint is the one registered before"
             return Registration(best.location, metrics, registered, note, []), best.skipped
-        c = config.checkpoint
-        score = tracking.Score(c.score_attribute, c.score_order, float(metrics[c.score_attribute]))
-        register, note = is_better(config, score) if policy == "if_better" else (True, "")
+        register, note = _decide(config, metrics) if policy == "if_better" else (True, "")
         if not register:
             return Registration(best.location, metrics, None, note, []), best.skipped
         model = recipe.make_model(config, fitted)  # the checkpoint's buffers then replace what was fitted
@@ -169,7 +189,7 @@ def register_checkpoint(
         log = partial(recipe.log_model, model)
     else:  # two rows, so the exported model keeps a dynamic batch dimension
         log = partial(tracking.log_pytorch_model, model, recipe.model_input(example).numpy())
-    registered = tracking.register_model(config, run_id, best.location, score, log)
+    registered = tracking.register_model(config, run_id, best.location, _score(config, metrics), log)
     artifacts = {}
     if recipe.artifacts is not None:
         with torch.no_grad():

@@ -33,7 +33,7 @@ class RunSummary:
     resumed: ResumePoint  # where this driver found the run: a new run, or its checkpoint
     attempts: int  # 1 + restarts of the workers after failures; 0: nothing trained (already_finished)
     failures: list[str]  # one line per failed attempt: which rank failed, how, and where it restarted
-    already_finished: bool = False  # the run had finished and was registered before: nothing was done
+    already_finished: bool = False  # the run had finished before, its registration decided: nothing was done
 
 
 def show(console: Console, summary: RunSummary) -> None:
@@ -58,8 +58,9 @@ def show(console: Console, summary: RunSummary) -> None:
     minutes, seconds = divmod(round(summary.wall_time_s), 60)
     epochs = f"{summary.epochs} epoch{'s' if summary.epochs != 1 else ''}"
     if summary.already_finished:
+        registered = "is registered" if summary.model is not None else "is not registered (see below)"
         console.print(
-            f"[bold]{summary.run_name}[/] has already finished training ({epochs}) and its model is registered: "
+            f"[bold]{summary.run_name}[/] has already finished training ({epochs}) and its model {registered}: "
             f"nothing to do. To train it longer: {escape(summary.extend_command)} with N > {summary.epochs}",
             highlight=False,
         )

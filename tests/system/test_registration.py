@@ -131,6 +131,10 @@ def test_never_registers_nothing_and_a_resume_whose_best_is_registered_adds_no_v
         f"not registered (mlflow.register=never); register it: raytrain-ddp register {never.run_path}"
     )
     assert Path(never.best_checkpoint).name == "epoch_0001"
+    # Run again, finished: answered from the run's record and the registry, nothing trained or started.
+    finished, out = _run(workspace, *pinned, "train.epochs=1", "mlflow.register=never", "run.name=pinned")
+    assert finished.already_finished and finished.attempts == 0 and finished.registration == never.registration
+    assert "has already finished training (1 epoch) and its model is not registered" in out
 
     registered = register(never.run_path, console=Console(file=io.StringIO()))
     assert registered.version == 1
