@@ -39,7 +39,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.body(x).squeeze(1)
-        return self._inject(out) if self.training and self.fault_log else out
+        # Passes of the training workers only (in a process group): not the driver's pre-flight pass.
+        in_training = self.training and torch.distributed.is_initialized()
+        return self._inject(out) if in_training and self.fault_log else out
 
     def _inject(self, out: torch.Tensor) -> torch.Tensor:
         import ray.train
