@@ -369,8 +369,10 @@ def log_texts(config: Config, run_id: str, texts: dict[str, str]) -> None:
 @contextlib.contextmanager
 def _active_run(tracking_uri: str, run_id: str) -> Iterator[None]:
     """Model logging and registration go through MLflow's global tracking URI and "active run": set
-    them for the call, then put back the caller's (a notebook may have its own run open)."""
-    previous = mlflow.get_tracking_uri()
+    them for the call, then put back the caller's (a notebook may have its own run open). MLflow keeps
+    its global URI in $MLFLOW_TRACKING_URI too: put back as it was, unset if it was (restoring the
+    resolved default instead would pin every later run of the process to this directory's mlflow.db)."""
+    previous = os.environ.get("MLFLOW_TRACKING_URI")  # set with the global by mlflow.set_tracking_uri
     mlflow.set_tracking_uri(tracking_uri)
     try:
         with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):

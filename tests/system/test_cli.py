@@ -168,12 +168,9 @@ def _still_running(processes: list[psutil.Process], wait_s: float) -> list[str]:
         time.sleep(0.5)
 
 
-def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(tmp_path, monkeypatch):
+def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(tmp_path):
     """A run.name with nothing to resume says "new run" and where it looked; the same command once the
     run has finished answers from the run's record, without Ray, with the command that trains it longer."""
-    import ray
-
-    from raytrain_ddp import load_config, run
 
     command = ["train", TINY, "run.name=done", "train.epochs=1", "scaling.resources_per_worker={CPU: 0.5}"]
     first = raytrain_ddp(*command, cwd=tmp_path)
@@ -191,9 +188,17 @@ def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(tmp_path,
     assert again.stderr == ""
     assert took < 30  # was 76 s: Ray started, the workers trained nothing, registration found its version
 
-    # From Python: the same answer, as the run's summary, and no Ray started in this process.
-    monkeypatch.chdir(tmp_path)
-    summary = run(load_config(TINY, overrides=command[2:]))
-    assert summary.already_finished and summary.attempts == 0 and summary.model.version == 1
-    assert summary.best_checkpoint == f"{tmp_path}/runs/done/epoch_0001"
-    assert not ray.is_initialized()
+    # From Python: the same answer, as the run's summary, and no Ray started (in a process of its own:
+    # this one may have a Ray already).
+    script = f"""
+import io, json, ray
+from rich.console import Console
+from raytrain_ddp import load_config, run
+summary = run(load_config({TINY!r}, overrides={command[2:]!r}), console=Console(file=io.StringIO()))
+print(json.dumps([summary.already_finished, summary.attempts, summary.model.version, summary.best_checkpoint,
+                  ray.is_initialized()]))
+"""
+    python = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert python.returncode == 0, python.stderr[-3000:]
+    answer = json.loads(python.stdout.splitlines()[-1])
+    assert answer == [True, 0, 1, f"{tmp_path}/runs/done/epoch_0001", False]

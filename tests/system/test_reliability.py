@@ -62,9 +62,10 @@ def _attempts(workspace, rank: int) -> list[int]:
 
 
 def _checkpoints(run_dir: Path) -> dict[str, str]:
-    """Every checkpoint directory left on storage, with what verification says of it."""
+    """Every checkpoint directory left on storage, with what verification says of it (beside them, a
+    failed run's errors/ holds the workers' tracebacks)."""
     verdicts = {}
-    for directory in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+    for directory in sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("epoch_")):
         try:
             ckpt.verify(directory)
             verdicts[directory.name] = "verified"
@@ -166,6 +167,8 @@ def test_a_fault_that_repeats_stops_after_max_failures_plus_one_attempts(ray_ses
     checkpoints = _checkpoints(run_dir)
     assert checkpoints == {"epoch_0001": "verified", "epoch_0001-step_0000004": "verified"}
     assert ckpt.open_verified(run_dir / "epoch_0001").metrics()["step"] == 6  # the last good one, whole
+    [log] = (run_dir / "errors").glob("*.log")  # the workers' full tracebacks, named in the message
+    assert f"the workers' full tracebacks: {log}" in message and "Traceback" in log.read_text()
     client = MlflowClient(workspace.tracking_uri)
     [mlflow_run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert mlflow_run.info.status == "FAILED" and _versions(workspace.tracking_uri) == 0
