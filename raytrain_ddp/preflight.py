@@ -2,11 +2,11 @@
 
 Before Ray starts (`check_before_ray`): a run another live driver holds, a RAY_ADDRESS where no cluster
 answers, a tracking server that cannot be reached or refuses the credentials, storage that would vanish
-with the job. Then, with the plan in
-hand (`check`): the recipe on two validation rows, the score metric, whether the cluster can ever hold
-the workers, whether every node sees the storage. What a resumed run may not change (`resume_conflicts`)
-is refused before Ray starts too, once the run's checkpoint is read (plan.stand). Every problem is
-reported at once, as one ConfigError.
+with the job. Then, with the plan in hand (`check`): the whole recipe on two validation rows (a broken
+recipe is a RecipeFailed naming function, file and line), the score metric, batch arithmetic, whether
+the cluster can ever hold the workers, whether every node sees the storage. What a resumed run may not
+change (`resume_conflicts`) is refused before Ray starts too, once the run's checkpoint is read
+(plan.stand). Every problem is reported at once, as one ConfigError.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
     """The whole contract on two validation rows, as training will call it: build_model, compute_loss
     in training mode (a finite scalar, or (sum, count), with a gradient), evaluate (a mapping of
     (sum, count) pairs, with the score metric among what is reported), model_input (the logged
-    model's input runs through the model) and the optional hooks. Returns the problems, each naming
-    the recipe's function and the line of its file where it failed. A recipe with a model too big for
+    model's input runs through the model) and the optional hooks. Returns the metrics every report
+    will carry; raises RecipeFailed with every problem, each naming the recipe's function and the line
+    of its file where it failed. A recipe with a model too big for
     the driver is run on its architecture alone (build_empty_model, on PyTorch's meta device): shapes
     and contract, not values or gradients."""
     meta = recipe.holds_large_model
