@@ -198,7 +198,9 @@ summary = run(load_config({TINY!r}, overrides={command[2:]!r}), console=Console(
 print(json.dumps([summary.already_finished, summary.attempts, summary.model.version, summary.best_checkpoint,
                   ray.is_initialized()]))
 """
-    python = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    python = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=300
+    )
     assert python.returncode == 0, python.stderr[-3000:]
     answer = json.loads(python.stdout.splitlines()[-1])
     assert answer == [True, 0, 1, f"{tmp_path}/runs/done/epoch_0001", False]
