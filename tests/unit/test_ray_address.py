@@ -52,9 +52,8 @@ def test_a_gcs_address_where_nothing_answers_is_refused_in_seconds(tmp_path):
 
 
 def test_a_dashboard_address_is_refused_with_the_addresses_to_use(tmp_path):
-    with socket.socket() as probe:  # the test needs a host whose default GCS port is closed
-        if probe.connect_ex(("127.0.0.1", 6379)) == 0:
-            pytest.skip("a Ray cluster listens at 127.0.0.1:6379 here")
+    with socket.socket() as probe:  # the test needs a host whose default GCS port is closed: not skipped
+        assert probe.connect_ex(("127.0.0.1", 6379)) != 0, "stop the Ray listening at 127.0.0.1:6379 to run this"
     address = f"http://127.0.0.1:{closed_port()}"
     result, took = _train(tmp_path, address)
 
