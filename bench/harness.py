@@ -54,7 +54,15 @@ SIDES = ("A", "B-cold", "B", "B-async", "B'")
 WARM = ("B", "B-async", "B'")  # run while the harness's Ray cluster is up
 SIDE_OVERRIDES = {"B-async": ["checkpoint.upload=async"], "B'": ["dataset.source=torch"]}
 DROP_FIRST_STEPS = 5  # of each epoch: iterator start-up, not the steady state
-GOALS = {"ratio": 1.05, "ttfs_gap_s": 5.0, "data_wait": 0.05, "checkpoint_share": 0.05}
+# The goals (issue 16), each judged on the worst measured round, so a lucky round cannot make a miss look met.
+GOALS = {
+    "ratio": 1.05,
+    "ttfs_gap_s": 6.0,
+    "cold_ttfs_gap_s": 10.0,
+    "teardown_s": 3.0,
+    "data_wait": 0.05,
+    "checkpoint_share": 0.02,
+}
 
 
 @dataclass
@@ -72,6 +80,7 @@ class Run:
     teardown_s: float | None = None
     threads: list[int] = field(default_factory=list)  # torch intra-op threads per rank
     weights_vs_a: float | None = None  # max |w_B - w_A| over all parameters (B-side runs of a round with A)
+    phases: dict[str, float] = field(default_factory=dict)  # B: the run's timeline, phase -> seconds
     log: str = ""
 
 
@@ -258,6 +267,9 @@ class Bench:
         ]
         run.checkpoint_s = [r["checkpoint_s"] for r in reports[1:]]  # each report carries the previous checkpoint's
         run.epoch_s = [r["epoch_time_s"] for r in reports]
+        kept = json.loads((directory / "runs" / "bench" / "timeline.json").read_text())
+        run.phases = {phase: length for phase, _, length in kept["phases"]}
+        run.phases["exit"] = exited - max(at for _, at in kept["marks"])  # the last mark -> the process's exit
 
     def compare_weights(self, runs: list[Run]) -> None:
         a = next((r for r in runs if r.side == "A" and r.exit_code == 0), None)
@@ -418,6 +430,10 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
             "throughput": _spread([bench.throughput(r.step_ms) for r in side_runs]),
             "mfu": _spread([bench.mfu(r.step_ms) for r in side_runs]),
             "threads": side_runs[0].threads,
+            "phases": {
+                phase: _spread([r.phases.get(phase) for r in side_runs])
+                for phase in dict.fromkeys(p for r in side_runs for p in r.phases)
+            },
             "weights_vs_a": max((r.weights_vs_a for r in side_runs if r.weights_vs_a is not None), default=None),
         }
     a = {r.round: r for r in by_side.get("A", [])}
@@ -457,26 +473,37 @@ def _spread(values: list[float]) -> dict[str, float] | None:
 
 
 def _goals(figures: dict) -> list[dict]:
-    """The issue's goals for raytrain_ddp with Ray Data (side B), each met or missed."""
+    """The issue's goals for raytrain_ddp with Ray Data (side B), each judged on its worst round."""
     goals = []
 
-    def goal(name: str, value: float | None, limit: float, unit: str) -> None:
-        if value is not None:
-            goals.append({"goal": name, "value": value, "limit": limit, "unit": unit, "met": value <= limit})
+    def goal(name: str, spread: dict | None, limit: float, unit: str) -> None:
+        if spread is not None:
+            worst = spread["max"]
+            goals.append(
+                {
+                    "goal": name,
+                    "value": worst,
+                    "median": spread["median"],
+                    "limit": limit,
+                    "unit": unit,
+                    "met": worst <= limit,
+                }
+            )
 
-    b = figures.get("B", {})
-    goal("steady step time B/A", (b.get("ratio_vs_a") or {}).get("median"), GOALS["ratio"], "x")
-    goal("warm time to first step, B - A", (b.get("ttfs_gap_vs_a_s") or {}).get("median"), GOALS["ttfs_gap_s"], "s")
-    goal(
-        "data wait, worst worker of B",
-        max(b["data_wait_per_worker"]) if b.get("data_wait_per_worker") else None,
-        GOALS["data_wait"],
-        "%",
-    )
+    b, cold = figures.get("B", {}), figures.get("B-cold", {})
+    goal("steady step time B/A", b.get("ratio_vs_a"), GOALS["ratio"], "x")
+    goal("warm time to first step, B - A", b.get("ttfs_gap_vs_a_s"), GOALS["ttfs_gap_s"], "s")
+    goal("cold time to first step, B cold - A", cold.get("ttfs_gap_vs_a_s"), GOALS["cold_ttfs_gap_s"], "s")
+    goal("teardown, last step -> exit, B", b.get("teardown_s"), GOALS["teardown_s"], "s")
+    if b.get("data_wait_per_worker"):
+        worst = max(b["data_wait_per_worker"])
+        goal("data wait, worst worker of B", {"max": worst, "median": worst}, GOALS["data_wait"], "%")
     for side in ("B", "B-async"):
-        share = (figures.get(side, {}).get("checkpoint_share") or {}).get("median")
         goal(
-            f"checkpoint blocking, {side} ({'sync' if side == 'B' else 'async'})", share, GOALS["checkpoint_share"], "%"
+            f"checkpoint blocking, {side} ({'sync' if side == 'B' else 'async'})",
+            figures.get(side, {}).get("checkpoint_share"),
+            GOALS["checkpoint_share"],
+            "%",
         )
     return goals
 
@@ -519,12 +546,34 @@ def markdown(results: dict) -> str:
         cells = [cell(figures[s]) for s in sides]
         if any(c != "–" for c in cells):
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| goal | measured | limit | |", "|---|---|---|---|"]
+    lines += _timeline(figures)
+    lines += ["", "| goal (worst round) | worst round | median | limit | |", "|---|---|---|---|---|"]
     for g in results["goals"]:
-        value = f"{g['value']:.1%}" if g["unit"] == "%" else f"{g['value']:.3g} {g['unit']}".replace(" x", "×")
-        limit = f"{g['limit']:.0%}" if g["unit"] == "%" else f"{g['limit']:g} {g['unit']}".replace(" x", "×")
-        lines.append(f"| {g['goal']} | {value} | ≤ {limit} | {'met' if g['met'] else '**missed**'} |")
+        value, median, limit = (_goal_value(g.get(key, g["value"]), g["unit"]) for key in ("value", "median", "limit"))
+        lines.append(f"| {g['goal']} | {value} | {median} | ≤ {limit} | {'met' if g['met'] else '**missed**'} |")
     return "\n".join(lines) + "\n"
+
+
+def _goal_value(value: float, unit: str) -> str:
+    return f"{value:.1%}" if unit == "%" else f"{value:.3g} {unit}".replace(" x", "×")
+
+
+def _timeline(figures: dict) -> list[str]:
+    """Where a raytrain_ddp run's wall time goes, phase by phase (the run's timeline.json), per B side."""
+    sides = [s for s in figures if figures[s].get("phases")]
+    if not sides:
+        return []
+    lines = [
+        "",
+        "Timeline of a run, seconds per phase (each from the mark before it; median [min–max]):",
+        "",
+        "| phase | " + " | ".join(_SIDE_NAMES.get(s, s) for s in sides) + " |",
+        "|---|" + "---|" * len(sides),
+    ]
+    for phase in dict.fromkeys(p for s in sides for p in figures[s]["phases"]):
+        cells = [_cell(figures[s]["phases"].get(phase), ".2f") for s in sides]
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    return lines
 
 
 _SIDE_NAMES = {

@@ -95,9 +95,15 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {ConfigError(config.job, [problem])}", file=sys.stderr)
         return 2
 
+    from raytrain_ddp import timeline  # the run's phases, timed from this process's launch
+
+    timeline.launch()
+    timeline.mark("config")
     from raytrain_ddp.driver import run  # torch, Ray, MLflow: only to train
     from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
     from raytrain_ddp.lease import RunBusy
+
+    timeline.mark("imports")
 
     try:
         run(config, verbose=args.verbose)

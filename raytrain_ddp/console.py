@@ -1,28 +1,27 @@
 """What the user sees while a run trains: the plan in a line, a line per report as they arrive, a line
 per failed attempt. (The summary at the end is `summary.py`'s.)
 
-Reports and failures reach the Ray Train controller, not the driver; `ProgressRelay` (a controller
-callback) puts each on a Ray queue that `LiveProgress` drains on the driver while `fit()` runs.
+Reports and failures reach the Ray Train controller, not the driver; `callbacks.ProgressRelay` (a
+controller callback) puts each on a Ray queue that `LiveProgress` drains on the driver while `fit()` runs.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray.train
-from ray.exceptions import RayActorError
 from ray.train import WorkerGroupError
 from ray.util.queue import Empty, Queue
 from rich.console import Console
 from rich.markup import escape
 
+from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import rank
 from raytrain_ddp.metrics import GENERATED, STOPPED
 from raytrain_ddp.optim import optimizer_steps
+from raytrain_ddp.timeline import MARKS, Timeline
 
 if TYPE_CHECKING:
     from raytrain_ddp.plan import Plan
@@ -30,39 +29,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class ProgressRelay(ray.train.UserCallback):
-    """Runs on the controller: forwards rank 0's metrics of every report, and every failure of the
-    workers (with the checkpoint the restart will resume from), to the driver."""
-
-    def __init__(self, queue: Queue, latest: str | None):
-        self.queue, self.latest = queue, latest
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if checkpoint is not None:
-            self.latest = Path(checkpoint.path).name
-        self._put(("report", metrics[0]))
-
-    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        self._put(("failure", {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}, self.latest))
-
-    def _put(self, event: tuple) -> None:
-        try:  # a display problem must never end the run (controller errors are not retried)
-            self.queue.put(event, timeout=5)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("progress event not shown: %s", e)
-
-
 class LiveProgress:
     """Prints a line per report while training runs, and a line per failed attempt; a spinner shows
     the phase on a terminal. Keeps what the driver needs afterwards: the failures, and why the run
     stopped if the workers stopped it."""
 
-    def __init__(self, console: Console, plan: Plan):
+    def __init__(self, console: Console, plan: Plan, timeline: Timeline):
         config = plan.config
+        self.timeline = timeline  # the phases of the worker group (ControllerMarks) and of rank 0 (its reports)
         self.console, self.epochs = console, config.train.epochs
         self.score, self.order = config.checkpoint.score_attribute, config.checkpoint.score_order
         self.max_failures, self.latest = config.run.max_failures, plan.resume.checkpoint
         self.relay: ProgressRelay | None = None  # for the trainer's callbacks, from __enter__ on
+        self.marks: ControllerMarks | None = None
         # The rank of the run's best checkpoint so far (a resumed run's included): ★ marks a report
         # whose checkpoint becomes the best, by the rule registration follows (checkpoint.rank).
         self.best = None if plan.resume.best is None else rank(plan.resume.best, self.score, self.order)
@@ -75,6 +54,7 @@ class LiveProgress:
     def __enter__(self) -> LiveProgress:
         self.queue = Queue(actor_options={"num_cpus": 0})
         self.relay = ProgressRelay(self.queue, self.latest)
+        self.marks = ControllerMarks(self.queue)
         self._status.start()
         self._thread.start()
         return self
@@ -93,8 +73,12 @@ class LiveProgress:
                 if self._stop.is_set():
                     return
                 continue
-            if kind == "report":
-                self._show(*event)
+            if kind == "marks":
+                self.timeline.add(*event)
+            elif kind == "report":
+                [metrics] = event
+                self.timeline.add(metrics.pop(MARKS, {}))
+                self._show(metrics)
             else:
                 self._failed(*event)
 
@@ -159,22 +143,6 @@ def describe_failure(error: BaseException, max_failures: int, failed_attempts: i
         ranks = "; ".join(f"rank {rank}: {one_line(e)}" for rank, e in sorted(error.worker_failures.items()))
         return f"{ranks} (attempt {max(failed_attempts, 1)}; run.max_failures={max_failures})"
     return str(error)
-
-
-def one_line(error: BaseException) -> str:
-    """A worker's failure in one line: the exception it raised, or how its process died."""
-    # Ray Train wraps both kinds: a dead worker's error, and the user's exception with its traceback.
-    error = getattr(error, "health_check_failure", error)
-    if isinstance(error, RayActorError):
-        detail = re.search(r"Worker exit detail: (.*?)\.", str(error))
-        return f"the worker process died ({detail.group(1) if detail else type(error).__name__})"
-    error = getattr(error, "_base_exc", error)
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    last = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[-1]) if lines else ""  # gloo's source location
-    last = f"{type(error).__name__}: {last}"
-    if len(last) > 120:  # the first sentence says it (gloo goes on for three more)
-        last = re.split(r"(?<=\.) ", last, maxsplit=1)[0]
-    return last if len(last) <= 200 else last[:199] + "…"
 
 
 def is_quality_metric(key: str, value: Any) -> bool:

@@ -28,6 +28,8 @@ import ray.data
 import ray.train
 import ray.train.torch
 import torch
+from ray.data.block import BlockAccessor
+from ray.data.dataset import MaterializedDataset
 from ray.train import DataConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
@@ -84,8 +86,26 @@ def num_rows(dataset: ray.data.Dataset | Dataset) -> int:
 def example_batch(dataset: ray.data.Dataset | Dataset, n: int = 2) -> dict[str, torch.Tensor]:
     """The first `n` rows as a CPU batch: what the pre-flight check and the MLflow signature use."""
     if isinstance(dataset, ray.data.Dataset):
-        return {k: torch.from_numpy(v.copy()) for k, v in dataset.take_batch(n, batch_format="numpy").items()}
+        batch = _first_rows(dataset, n) or dataset.take_batch(n, batch_format="numpy")
+        return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in batch.items()}
     return default_collate([dataset[i] for i in range(n)])
+
+
+def _first_rows(dataset: ray.data.Dataset, n: int) -> dict[str, np.ndarray] | None:
+    """A materialized dataset's first `n` rows, read from its first block in the object store: no
+    execution, which would cost the driver seconds (Ray Data's first one starts its executor and
+    stats actor) before anything else can start. None where that cannot answer (a lazy dataset,
+    a first block of fewer rows)."""
+    if not isinstance(dataset, MaterializedDataset):
+        return None
+    try:
+        first = next(iter(dataset.iter_internal_ref_bundles())).blocks[0]
+        block = BlockAccessor.for_block(ray.get(first.ref))
+        if block.num_rows() < n:
+            return None
+        return BlockAccessor.for_block(block.slice(0, n, copy=True)).to_batch_format("numpy")
+    except Exception:  # noqa: BLE001 - Ray Data's internals changed: execute instead
+        return None
 
 
 def dataset_config() -> DataConfig:

@@ -23,8 +23,9 @@ from ray.train.torch import TorchTrainer
 from rich.console import Console
 
 from raytrain_ddp import console as ui
-from raytrain_ddp import data, lease, preflight, session, storage, tracking
+from raytrain_ddp import data, lease, preflight, session, storage, timeline, tracking
 from raytrain_ddp import plan as planning
+from raytrain_ddp.callbacks import MLflowMetrics
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.loop import train_loop_per_worker
@@ -47,23 +48,40 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     after training)."""
     started = time.monotonic()
     console = console or Console(soft_wrap=True)
+    run_timeline = timeline.begin()
     with session.bounded_mlflow_retries():
         standing = planning.stand(config)
         if standing.finished and (decided := decided_already(standing)) is not None:
             summary = _already_finished(standing, decided, time.monotonic() - started)
             show(console, summary)
             return summary
+        timeline.mark("checks")
         plan = planning.make(standing, verbose=verbose, console=console)
         preflight.check(plan)
+        timeline.mark("pre-flight")
         ui.show_plan(console, plan)
         with lease.Lease(plan.run_path):
             run_id = tracking.start_run(plan.config, plan.run_path)
+            timeline.mark("mlflow")
             trained = fit(plan, run_id, console, verbose)
+            timeline.mark("fit returned")
             policy = plan.config.mlflow.register
             registration = register_best(plan, trained.best_checkpoints, run_id, console, policy)
+            timeline.mark("registered")
     summary = _summarize(plan, trained, registration, run_id, time.monotonic() - started)
     show(console, summary)
+    _keep_timeline(plan, run_timeline, console, verbose)
     return summary
+
+
+def _keep_timeline(plan: Plan, kept: timeline.Timeline, console: Console, verbose: bool) -> None:
+    """The run's timeline in `<run>/timeline.json` (the benchmark reads it); on the console, `verbose`."""
+    if verbose:
+        console.print(kept.table(), markup=False, highlight=False)
+    try:
+        storage.write_text(f"{plan.run_path}/timeline.json", kept.to_json())
+    except OSError as e:  # a figure: never a reason to fail a run that trained
+        console.print(f"[yellow]timeline not kept[/]: {e}", highlight=False)
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,7 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     where the checkpoints are, the file with the workers' full tracebacks (printed too, `verbose`)
     and the command that resumes."""
     config = plan.config
-    progress = ui.LiveProgress(console, plan)
+    progress = ui.LiveProgress(console, plan, timeline.current())
     try:
         result = _fit(plan, run_id, progress)
         if progress.stopped is not None:
@@ -122,10 +140,10 @@ def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) 
 def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result:
     sigint = signal.getsignal(signal.SIGINT)
     try:
-        # The relay of the progress display exists once it has started; Ray Train reads the
-        # controller's poll interval from the driver's environment when fit() starts.
-        with progress, session.environment({session.CONTROLLER_POLL_ENV: str(plan.config.run.controller_poll_s)}):
-            result = _trainer(plan, run_id, progress.relay).fit()
+        # The relay of the progress display exists once it has started; Ray Train reads its
+        # settings from the driver's environment when fit() starts.
+        with progress, session.environment(session.fit_environment(plan.config.run.controller_poll_s)):
+            result = _trainer(plan, run_id, progress).fit()
     finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, sigint)
@@ -134,7 +152,7 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
     return result
 
 
-def _trainer(plan: Plan, run_id: str, relay: ui.ProgressRelay) -> TorchTrainer:
+def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:
     config, ray_data = plan.config, data.is_ray(plan.datasets)
     return TorchTrainer(
         train_loop_per_worker,
@@ -160,7 +178,11 @@ def _trainer(plan: Plan, run_id: str, relay: ui.ProgressRelay) -> TorchTrainer:
                 checkpoint_score_order=config.checkpoint.score_order,
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
-            callbacks=[tracking.MLflowMetrics(config.mlflow.tracking_uri, run_id, config.train.epochs), relay],
+            callbacks=[
+                MLflowMetrics(config.mlflow.tracking_uri, run_id, config.train.epochs),
+                progress.relay,
+                progress.marks,
+            ],
         ),
         datasets=plan.datasets if ray_data else None,
         dataset_config=data.dataset_config(),

@@ -37,6 +37,7 @@ from raytrain_ddp.config import Config, DDPSettings
 from raytrain_ddp.metrics import GENERATED, STOPPED, EpochMeter, all_gather, combine
 from raytrain_ddp.optim import Accumulation, Updater
 from raytrain_ddp.recipe import Recipe
+from raytrain_ddp.timeline import WorkerMarks
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Worker:
     accumulation: Accumulation
     retrained: frozenset[str]  # damaged checkpoints training passes again: it writes `<name>-retrained`
     example: dict[str, torch.Tensor]  # two validation rows: what the model generates from at each evaluation
+    marks: WorkerMarks  # rank 0's phases (the run's timeline), sent with its next report
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     recipe: Recipe = loop_config["recipe"]
     worker_data = data.WorkerData(loop_config["torch_datasets"], config.train, config.seed)
     rank, device = worker_data.rank, worker_data.device
+    marks = WorkerMarks(rank)
+    marks.mark("loop")
     accumulation = Accumulation(loop_config["batches_per_epoch"], config.train.grad_accum_steps)
 
     # 1. Build the same model on every rank, wrap it in DDP, then optimizer, schedule and precision.
@@ -96,7 +100,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     else:
         start = ckpt.TrainingState(epoch=0, step=0, updater={}, rng=[])
         _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank))
-    worker = Worker(config, recipe, rank, worker_data, model, updater, accumulation, retrained, loop_config["example"])
+    worker = Worker(
+        config, recipe, rank, worker_data, model, updater, accumulation, retrained, loop_config["example"], marks
+    )
+    marks.mark("model")
     step, blocked, step_count = start.step, Blocked(), None
 
     # 3. Train: one optimizer step per `accumulation.per_step` micro-batches. Evaluate and checkpoint
@@ -109,6 +116,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         ddp_model.train()
         epoch_batches = itertools.islice(worker_data.train_batches(epoch), first, None)
         for i, batch in enumerate(meter.timed(epoch_batches), start=first):
+            marks.once("first batch")
             loss = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
             summed, rows = isinstance(loss, tuple), _rows(batch)
             loss_sum, count = loss if summed else (loss * rows, rows)  # a mean loss sums over rows
@@ -118,6 +126,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 continue
             meter.add_step(optimizer_step(updater, config.train.grad_clip_norm, step_count))
             step, step_count = step + 1, None
+            marks.once("first step")
             if every and step % every == 0 and i + 1 < accumulation.micro_batches:
                 blocked = evaluate_and_checkpoint(worker, Position(epoch, i + 1, step), meter, blocked)
                 if blocked is None:
@@ -127,6 +136,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raise RuntimeError(
                 f"rank {rank} got {meter.batches} batches in epoch {epoch + 1}, expected {accumulation.micro_batches}"
             )
+        if epoch + 1 == config.train.epochs:
+            marks.mark("last step")
         blocked = evaluate_and_checkpoint(worker, Position(epoch + 1, 0, step), meter, blocked)
         if blocked is None:
             return
@@ -203,6 +214,7 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
             **{f"val_{name}": value for name, value in evaluate(model, recipe, worker.data.val_batches()).items()},
             "epoch_time_s": meter.epoch_time_s(),
             **asdict(blocked),
+            **worker.marks.pop(),
         }
         if recipe.generate_samples is not None and worker.rank == 0:  # rank 0's report is the one logged
             metrics[GENERATED] = _generate(model, recipe, worker.example, worker.data.device)

@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data, layering, preflight, ray_address, session, storage, tracking
+from raytrain_ddp import data, layering, preflight, ray_address, session, storage, timeline, tracking
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.recipe import Recipe
@@ -103,10 +103,13 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             console.print(f"[dim]{standing.address.note}[/]", highlight=False)
         with console.status("Starting Ray…"):
             _connect(config, standing.address, verbose)
+        timeline.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
             train_rows = data.num_rows(datasets["train"])
+            timeline.mark("datasets")
             example = data.example_batch(datasets["val"])
+            timeline.mark("example rows")
     t = config.train
     return Plan(
         config=config,

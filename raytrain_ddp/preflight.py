@@ -268,7 +268,7 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     resources that will not come."""
     s = config.scaling
     per_worker = dict(s.resources_per_worker) | ({"GPU": s.resources_per_worker.get("GPU", 1.0)} if s.use_gpu else {})
-    autoscaler = _autoscaler_config()
+    autoscaler = session.autoscaler_config()
     nodes = _node_shapes(autoscaler)
     capacity = {key: sum(node.get(key, 0.0) * count for node, count in nodes) for key in {"CPU", *per_worker}}
     where = ("at most, with the autoscaler" if autoscaler else f"{len(nodes)} node(s)") + f": {_describe(capacity)}"
@@ -327,17 +327,6 @@ def _node_shapes(config) -> list[tuple[dict[str, float], int]]:
             for group in config.node_group_configs
         ]
     return [(node["Resources"], 1) for node in ray.nodes() if node["Alive"]]
-
-
-def _autoscaler_config():
-    """The autoscaler's cluster config (node types, max counts), or None without an autoscaler. Ray
-    Train reads the same record for its own, later, check; there is no public API for it."""
-    from ray._private.state import state
-
-    try:
-        return state.get_cluster_config()
-    except Exception:  # noqa: BLE001 - no autoscaler: judge by the nodes there are
-        return None
 
 
 def _describe(resources: dict[str, float]) -> str:

@@ -26,8 +26,8 @@ from rich.markup import escape
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import lease, session, tracking
 from raytrain_ddp import plan as planning
+from raytrain_ddp.callbacks import one_line
 from raytrain_ddp.config import Config
-from raytrain_ddp.console import one_line
 from raytrain_ddp.errors import RegistrationFailed
 from raytrain_ddp.plan import Plan
 from raytrain_ddp.recipe import Recipe

@@ -14,11 +14,13 @@ from collections.abc import Iterator
 import ray
 import ray.data
 
-from raytrain_ddp import tracking
+from raytrain_ddp import callbacks
 from raytrain_ddp.ray_address import ADDRESS_ENV, RayAddress, check_environment
 
 # Ray Train reads its controller's poll interval from the driver's environment when fit() starts.
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+# On by default: a watcher actor per run that restarts the workers in time when a node is drained.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 
@@ -50,9 +52,33 @@ def connect(address: RayAddress, verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
 
 
+def fit_environment(controller_poll_s: float) -> dict[str, str]:
+    """What Ray Train reads from the driver's environment when fit() starts (and passes to its
+    controller and workers): the controller's poll interval, and, on a cluster of one machine with
+    no autoscaler, no preemption watcher: no other node can be drained there, and the watcher is one
+    more process to start (a second of CPU on a small machine) before the first step; the user's
+    own setting of the watcher wins."""
+    values = {CONTROLLER_POLL_ENV: str(controller_poll_s)}
+    alive = [node for node in ray.nodes() if node["Alive"]]
+    if len(alive) == 1 and autoscaler_config() is None:
+        values[PREEMPTION_WATCHER_ENV] = os.environ.get(PREEMPTION_WATCHER_ENV, "0")
+    return values
+
+
+def autoscaler_config():
+    """The autoscaler's cluster config (node types, max counts), or None without an autoscaler. Ray
+    Train reads the same record for its own, later, check; there is no public API for it."""
+    from ray._private.state import state
+
+    try:
+        return state.get_cluster_config()
+    except Exception:  # noqa: BLE001 - no autoscaler: judge by the nodes there are
+        return None
+
+
 def bounded_mlflow_retries() -> contextlib.AbstractContextManager:
-    """MLflow's HTTP retries bounded (tracking.BOUNDED_RETRIES), unless the environment sets them."""
-    return environment({key: os.environ.get(key, value) for key, value in tracking.BOUNDED_RETRIES.items()})
+    """MLflow's HTTP retries bounded (callbacks.BOUNDED_RETRIES), unless the environment sets them."""
+    return environment({key: os.environ.get(key, value) for key, value in callbacks.BOUNDED_RETRIES.items()})
 
 
 @contextlib.contextmanager

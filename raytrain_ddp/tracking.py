@@ -1,8 +1,8 @@
 """MLflow: one MLflow run per training run, metrics logged live, the final model registered.
 
-The only module that imports mlflow. Workers never talk to MLflow: `MLflowMetrics` runs on the Ray
-Train controller and logs each epoch's metrics as the report arrives; the driver creates the run
-before training and registers the best checkpoint's model after it.
+The driver's only module that imports mlflow. Workers never talk to MLflow: `callbacks.MLflowMetrics`
+runs on the Ray Train controller and logs each epoch's metrics as the report arrives; the driver
+creates the run before training and registers the best checkpoint's model after it.
 """
 
 from __future__ import annotations
@@ -11,24 +11,20 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import mlflow
 import numpy as np
-import ray.train
 import torch
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.metrics import GENERATED, STOPPED
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "raytrain_ddp.run_name"
@@ -40,15 +36,6 @@ SCORE_ATTRIBUTE_TAG = "raytrain_ddp.score_attribute"
 SCORE_ORDER_TAG = "raytrain_ddp.score_order"
 SCORE_TAG = "raytrain_ddp.score"
 MODEL_ARTIFACT = "model"
-GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
-# MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
-# is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
-BOUNDED_RETRIES = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-}
-
 logger = logging.getLogger(__name__)
 
 
@@ -228,54 +215,6 @@ def end_failed_run(config: Config, run_id: str, status: Literal["FAILED", "KILLE
         finish_run(config, run_id, status)
     except Exception as e:  # noqa: BLE001
         logger.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
-
-
-class MLflowMetrics(ray.train.UserCallback):
-    """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
-
-    Logging happens on a thread of its own, in order. The controller calls this between committing a
-    checkpoint and telling the workers, who wait for the commit (checkpoint.upload=sync), so a call
-    to MLflow here (a second or more for the first one, which imports and connects) would block
-    training. The report that ends the run (the last epoch, or a stop) waits until everything is
-    logged, so the run's metrics are all in MLflow when fit() returns.
-
-    An exception here would end the run as a controller error, which Ray never retries: a store
-    that is unavailable costs a warning and seconds (see BOUNDED_RETRIES), never the training;
-    every checkpoint's metrics.json keeps the numbers."""
-
-    def __init__(self, tracking_uri: str, run_id: str, epochs: int):
-        self.tracking_uri, self.run_id, self.epochs = tracking_uri, run_id, epochs
-        self._logger: ThreadPoolExecutor | None = None  # started on the controller (not picklable)
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        reported = metrics[0]  # every rank reports the same global metrics
-        now = int(time.time() * 1000)
-        step = int(reported["step"])  # the optimizer step: the x-axis of every metric (epoch is a metric)
-        batch = [Metric(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
-        if self._logger is None:
-            for key, value in BOUNDED_RETRIES.items():  # the controller's own process
-                os.environ.setdefault(key, value)
-            self._logger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
-        logged = self._logger.submit(self._log, step, batch, reported.get(GENERATED))
-        if reported["epoch"] >= self.epochs or STOPPED in reported:
-            logged.result()
-
-    def after_exception(self, run_context, worker_exceptions) -> None:
-        if self._logger is not None:  # the run may end here: what was reported is logged first
-            self._logger.submit(lambda: None).result()
-
-    def _log(self, step: int, batch: list[Metric], generated: list[dict[str, str]] | None) -> None:
-        try:
-            client = MlflowClient(self.tracking_uri)
-            client.log_batch(self.run_id, metrics=batch)
-            if generated:  # one table for the run, a row per sample and evaluation
-                columns = {key: [row[key] for row in generated] for key in generated[0]}
-                client.log_table(self.run_id, {"step": [step] * len(generated), **columns}, GENERATED_FILE)
-        except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
-            logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_logger": None}
 
 
 def register_model(

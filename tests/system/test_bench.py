@@ -12,6 +12,7 @@ from pathlib import Path
 from services import REPO, user_env
 
 from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp import timeline
 
 SIDES = ["A", "B-cold", "B", "B-async", "B'"]
 
@@ -60,7 +61,13 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
     for directory in sorted((run / "runs" / "bench").glob("epoch_*")):
         assert ckpt.open_verified(directory).metrics()["epoch"] == int(directory.name.split("_")[1])
 
+    # Every B side's timeline has every phase of a run (bench/harness.py adds the exit after the last).
+    phases = {*timeline.DRIVER_START, *timeline.WORKER_START, timeline.FIRST_STEP, *timeline.TEARDOWN, "exit"}
+    for side in ("B-cold", "B", "B-async", "B'"):
+        assert set(figures[side]["phases"]) == phases, side
+
     table = (tmp_path / "smoke.md").read_text()
     assert "| steady step, ms |" in table and "| step time vs A (same round) |" in table
     assert "| steady step time B/A |" in table and "| checkpoint blocking, B-async (async) |" in table
+    assert "| first step |" in table and "| goal (worst round) |" in table
     assert table in result.stdout

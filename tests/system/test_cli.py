@@ -17,6 +17,8 @@ import psutil
 from services import cli as raytrain_ddp
 from services import user_env
 
+from raytrain_ddp import timeline
+
 CLI = str(Path(sys.executable).parent / "raytrain-ddp")
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
@@ -42,6 +44,14 @@ def test_the_demo_trains_registers_and_prints_a_summary(tmp_path):
 
     [version] = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_model_versions("name = 'digits-resnet18'")
     assert int(version.version) == 1
+
+    # The run's timeline: every phase from the launch to the model registered, each once; the driver's
+    # and the teardown's in their order (the controller's and rank 0's marks of a moment may cross).
+    phases = [phase for phase, _, _ in json.loads((checkpoint.parent / "timeline.json").read_text())["phases"]]
+    expected = [*timeline.DRIVER_START, *timeline.WORKER_START, timeline.FIRST_STEP, *timeline.TEARDOWN]
+    assert sorted(phases) == sorted(expected)
+    assert phases[: len(timeline.DRIVER_START)] == list(timeline.DRIVER_START)
+    assert phases[-len(timeline.TEARDOWN) :] == list(timeline.TEARDOWN)
 
 
 def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp_path, record):

@@ -1,0 +1,161 @@
+"""What runs on Ray Train's controller: `ProgressRelay` and `ControllerMarks` put reports, failures and
+the worker group's phases on the driver's queue; `MLflowMetrics` logs each report's metrics to MLflow.
+
+Kept light to import: the controller imports this module (to unpickle the callbacks) before it
+starts a worker, so an import here delays every run's first step. mlflow (a second or two of
+imports) loads on MLflowMetrics' logging thread, once the workers are training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import ray.train
+from ray.exceptions import RayActorError
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.util.queue import Queue
+
+from raytrain_ddp.metrics import GENERATED, STOPPED
+
+GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
+# MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
+# is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
+BOUNDED_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressRelay(ray.train.UserCallback):
+    """Runs on the controller: forwards rank 0's metrics of every report, and every failure of the
+    workers (with the checkpoint the restart will resume from), to the driver."""
+
+    def __init__(self, queue: Queue, latest: str | None):
+        self.queue, self.latest = queue, latest
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if checkpoint is not None:
+            self.latest = Path(checkpoint.path).name
+        self._put(("report", metrics[0]))
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self._put(("failure", {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}, self.latest))
+
+    def _put(self, event: tuple) -> None:
+        try:  # a display problem must never end the run (controller errors are not retried)
+            self.queue.put(event, timeout=5)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("progress event not shown: %s", e)
+
+
+class ControllerMarks(ControllerCallback, WorkerGroupCallback):
+    """Runs on Ray Train's controller: the worker group's phases, put on the driver's queue as
+    ("marks", {phase: time}). Never raises (a callback error would end the run)."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_controller_start(self, train_run_context) -> None:
+        self._put("controller")
+
+    def before_worker_group_start(self, worker_group_context) -> None:
+        self._put("placement")  # the scaling decision taken: the worker group's resources asked for
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self._put("worker group")  # the worker actors up, their process group set up
+
+    def after_worker_group_training_start(self, worker_group) -> None:
+        self._put("train context")  # datasets split, the training function launched
+
+    def after_worker_group_poll_status(self, worker_group_status) -> None:
+        if worker_group_status.finished and not worker_group_status.errors:
+            self._put("workers done")
+
+    def after_worker_group_shutdown(self, worker_group_context) -> None:
+        self._put("worker group stopped")
+
+    def _put(self, phase: str) -> None:
+        try:
+            self.queue.put(("marks", {phase: time.time()}), timeout=5)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("timeline mark %s not kept: %s", phase, e)
+
+
+class MLflowMetrics(ray.train.UserCallback):
+    """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
+
+    Logging happens on a thread of its own, in order. The controller calls this between committing a
+    checkpoint and telling the workers, who wait for the commit (checkpoint.upload=sync), so a call
+    to MLflow here (a second or more for the first one, which imports and connects) would block
+    training. The report that ends the run (the last epoch, or a stop) waits until everything is
+    logged, so the run's metrics are all in MLflow when fit() returns.
+
+    An exception here would end the run as a controller error, which Ray never retries: a store
+    that is unavailable costs a warning and seconds (see BOUNDED_RETRIES), never the training;
+    every checkpoint's metrics.json keeps the numbers."""
+
+    def __init__(self, tracking_uri: str, run_id: str, epochs: int):
+        self.tracking_uri, self.run_id, self.epochs = tracking_uri, run_id, epochs
+        self._logger: ThreadPoolExecutor | None = None  # started on the controller (not picklable)
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        reported = metrics[0]  # every rank reports the same global metrics
+        now = int(time.time() * 1000)
+        step = int(reported["step"])  # the optimizer step: the x-axis of every metric (epoch is a metric)
+        batch = [(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
+        if self._logger is None:
+            for key, value in BOUNDED_RETRIES.items():  # the controller's own process
+                os.environ.setdefault(key, value)
+            self._logger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+        logged = self._logger.submit(self._log, step, batch, reported.get(GENERATED))
+        if reported["epoch"] >= self.epochs or STOPPED in reported:
+            logged.result()
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        if self._logger is not None:  # the run may end here: what was reported is logged first
+            self._logger.submit(lambda: None).result()
+
+    def _log(self, step: int, batch: list[tuple], generated: list[dict[str, str]] | None) -> None:
+        try:
+            from mlflow.entities import Metric  # here, on the logging thread: see the module's docstring
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(self.tracking_uri)
+            client.log_batch(self.run_id, metrics=[Metric(*metric) for metric in batch])
+            if generated:  # one table for the run, a row per sample and evaluation
+                columns = {key: [row[key] for row in generated] for key in generated[0]}
+                client.log_table(self.run_id, {"step": [step] * len(generated), **columns}, GENERATED_FILE)
+        except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
+            logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_logger": None}
+
+
+def one_line(error: BaseException) -> str:
+    """A worker's failure in one line: the exception it raised, or how its process died."""
+    # Ray Train wraps both kinds: a dead worker's error, and the user's exception with its traceback.
+    error = getattr(error, "health_check_failure", error)
+    if isinstance(error, RayActorError):
+        detail = re.search(r"Worker exit detail: (.*?)\.", str(error))
+        return f"the worker process died ({detail.group(1) if detail else type(error).__name__})"
+    error = getattr(error, "_base_exc", error)
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    last = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", lines[-1]) if lines else ""  # gloo's source location
+    last = f"{type(error).__name__}: {last}"
+    if len(last) > 120:  # the first sentence says it (gloo goes on for three more)
+        last = re.split(r"(?<=\.) ", last, maxsplit=1)[0]
+    return last if len(last) <= 200 else last[:199] + "…"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,132 @@
+"""Where the wall time of a run goes: the phases of one run, from the process's launch to its end.
+
+Three places keep the clock, all in wall time (`time.time()`, comparable across the processes of a
+machine): the driver marks its own phases (`mark`); Ray Train's controller marks the worker group's
+(`callbacks.ControllerMarks`, a controller callback, through the progress display's queue); rank 0 marks the
+worker's (`WorkerMarks`) and sends them with its next report, under `MARKS`. `Timeline.table()` lays
+them out as phases, each from its mark to the next; `driver.run` keeps the run's in
+`<run>/timeline.json` and the benchmark prints it.
+
+Each mark names the end of a phase: "datasets" is the moment the datasets were built, so the phase
+"datasets" is the time between the mark before it and this one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+MARKS = "timeline"  # in a report: {phase: wall time} of rank 0 since its previous report
+
+# The phases, in the order they happen (a resumed or restarted run repeats the worker group's).
+DRIVER_START = ("config", "imports", "checks", "ray", "datasets", "example rows", "pre-flight", "mlflow")
+WORKER_START = ("controller", "placement", "worker group", "train context", "loop", "model", "first batch")
+FIRST_STEP = "first step"
+TEARDOWN = ("last step", "workers done", "worker group stopped", "fit returned", "registered")
+
+
+class Timeline:
+    """The marks of one run, in the order of their times."""
+
+    def __init__(self, launched: float | None = None):
+        self.marks: list[tuple[str, float]] = [("launch", launched if launched is not None else _process_start())]
+        self.begun = False  # a run has taken it (`begin`)
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        self.marks.append((phase, time.time() if at is None else at))
+
+    def add(self, marks: dict[str, float]) -> None:
+        for phase, at in marks.items():
+            self.mark(phase, at)
+
+    def phases(self) -> list[tuple[str, float, float]]:
+        """(phase, its end since launch, its length), in time order, seconds."""
+        ordered = sorted(self.marks, key=lambda m: m[1])
+        launched = ordered[0][1]
+        return [(phase, at - launched, at - before) for (_, before), (phase, at) in zip(ordered, ordered[1:])]
+
+    def to_json(self) -> str:
+        return json.dumps({"marks": self.marks, "phases": self.phases()}, indent=1)
+
+    def table(self) -> str:
+        rows = [f"  {phase:<22} {length:7.2f} s   (at {end:6.2f} s)" for phase, end, length in self.phases()]
+        return "\n".join(["timeline (phase: its length, and when it ended, from launch)", *rows])
+
+
+def _process_start() -> float:
+    """When this process was launched: the driver's imports count."""
+    try:
+        return psutil.Process().create_time()
+    except psutil.Error:
+        return time.time()
+
+
+_driver: Timeline | None = None  # this process's run: the one `begin` started last
+
+
+def launch() -> None:
+    """The command line's run, timed from the process's launch (its imports and config count)."""
+    global _driver
+    _driver = Timeline()
+
+
+def begin() -> Timeline:
+    """The timeline of a run starting now: the command line's, from its launch; else (a notebook's
+    run, a second run of the process) a new one, from now."""
+    global _driver
+    if _driver is None or _driver.begun:
+        _driver = Timeline(launched=time.time())
+    _driver.begun = True
+    return _driver
+
+
+def current() -> Timeline:
+    """The run's timeline that has begun (a new one if none has)."""
+    return _driver if _driver is not None and _driver.begun else begin()
+
+
+def mark(phase: str) -> None:
+    """Mark the end of a driver phase of the run that has begun (nothing outside a run)."""
+    if _driver is not None:
+        _driver.mark(phase)
+
+
+class WorkerMarks:
+    """Rank 0's phases, sent with its next report (`pop`); other ranks keep none."""
+
+    def __init__(self, rank: int):
+        self.keep = rank == 0
+        self.pending: dict[str, float] = {}
+        self.seen: set[str] = set()
+
+    def mark(self, phase: str) -> None:
+        if self.keep:
+            self.pending[phase] = time.time()
+
+    def once(self, phase: str) -> None:
+        """Mark `phase` the first time only (the first batch, the first step)."""
+        if self.keep and phase not in self.seen:
+            self.seen.add(phase)
+            self.mark(phase)
+
+    def pop(self) -> dict[str, dict[str, float]]:
+        pending, self.pending = self.pending, {}
+        return {MARKS: pending} if pending else {}
+
+
+def missing(timeline: Timeline, expected: Iterable[str]) -> list[str]:
+    """The expected phases the timeline has no mark for."""
+    have = {phase for phase, _ in timeline.marks}
+    return [phase for phase in expected if phase not in have]
+
+
+def strip(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A report's metrics without rank 0's marks."""
+    return {k: v for k, v in metrics.items() if k != MARKS}
