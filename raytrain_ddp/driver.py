@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray.train
@@ -54,10 +54,10 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
             show(console, summary)
             return summary
         plan = planning.make(standing, verbose=verbose, console=console)
-        preflight.check(plan)
+        plan = replace(plan, flops=preflight.check(plan))
         ui.show_plan(console, plan)
         with lease.Lease(plan.run_path):
-            run_id = tracking.start_run(plan.config, plan.run_path)
+            run_id = tracking.start_run(plan.config, plan.run_path, plan.flops.params())
             trained = fit(plan, run_id, console, verbose)
             policy = plan.config.mlflow.register
             registration = register_best(plan, trained.best_checkpoints, run_id, console, policy)
@@ -144,6 +144,7 @@ def _trainer(plan: Plan, run_id: str, relay: ui.ProgressRelay) -> TorchTrainer:
             "fitted": plan.fitted,  # the statistics of the training rows that build_model takes
             "batches_per_epoch": plan.batches_per_epoch,
             "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
+            "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
             "torch_datasets": None if ray_data else plan.datasets,  # shipped to every worker with the loop
         },
         scaling_config=ScalingConfig(
