@@ -55,8 +55,9 @@ class Peak:
 
 # The words of the name torch gives a GPU (all of them; the first entry that matches wins) -> its
 # dense peak, from the vendors' datasheets (their "with sparsity" figures are twice these). H100 and
-# H200 without PCIe/NVL are the SXM parts. NVIDIA publishes no datasheet of the A10G (AWS G5): 80 SMs
-# at 1.71 GHz with GA102's consumer-rate tensor cores, the figures AWS quotes.
+# H200 without PCIe/NVL are the SXM parts. NVIDIA publishes no datasheet of the A10G (AWS G5): its
+# figures are derived from 80 SMs at 1.71 GHz with GA102's consumer-rate tensor cores (the 70 TFLOP/s
+# bf16 commonly cited, half the A10's rate per SM).
 PEAKS: tuple[tuple[tuple[str, ...], Peak], ...] = (
     (("H100", "PCIE"), Peak(bf16=756e12, tf32=378e12, fp32=51e12)),
     (("H100", "NVL"), Peak(bf16=835e12, tf32=417.5e12, fp32=60e12)),
@@ -175,8 +176,8 @@ def _model_flops_mapping() -> dict[Any, Any]:
 
 
 def _attention_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
-    """The gradients of softmax(Q K^T) V's two products: twice their forward, 2·s_q·s_k·(d_qk + d_v)
-    per batch row and query head."""
+    """The gradients of softmax(Q K^T) V's two products: twice their forward's 2·s_q·s_k·(d_qk + d_v)
+    FLOPs per batch row and query head."""
     batch, heads, s_q, d_qk = query_shape
     s_k, d_v = key_shape[2], value_shape[3]
     return 2 * 2 * batch * heads * s_q * s_k * (d_qk + d_v)
