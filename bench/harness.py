@@ -24,6 +24,7 @@ Markdown table under bench/results/, named for the machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -42,6 +43,8 @@ from pathlib import Path
 
 import psutil
 import torch
+
+from raytrain_ddp.flops import count, peak_flops
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -81,6 +84,8 @@ class Run:
     threads: list[int] = field(default_factory=list)  # torch intra-op threads per rank
     weights_vs_a: float | None = None  # max |w_B - w_A| over all parameters (B-side runs of a round with A)
     phases: dict[str, float] = field(default_factory=dict)  # B: the run's timeline, phase -> seconds
+    reported_rate: float | None = None  # B: rows (or tokens) per second, as its last report says (samples_per_s)
+    reported_mfu: float | None = None  # B: MFU as its last report says (GPU of known peak only)
     log: str = ""
 
 
@@ -171,17 +176,30 @@ class Bench:
         return rows * (self.config["dataset"].get("sequence") or 1) / (step_ms / 1e3)
 
     def mfu(self, step_ms: float) -> float | None:
-        """Model FLOPs utilization of a decoder against the GPUs' dense bf16 peak (datasheet)."""
-        peak = _bf16_peak() if self.config["scaling"].get("use_gpu") else None
-        if not self.config["dataset"].get("sequence") or peak is None:
+        """Model FLOPs utilization at a steady step of `step_ms`, both sides alike: the FLOPs of a
+        training step per row as raytrain_ddp counts them (flops.py) against the GPUs' dense peak at
+        the run's precision (flops.PEAKS). None on CPU, or a GPU not in the table."""
+        if not self.config["scaling"].get("use_gpu"):
             return None
+        peak = peak_flops(torch.cuda.get_device_name(0), self.config["train"].get("precision", "fp32"))
+        if peak is None:
+            return None
+        rows_per_s = self.config["train"]["batch_size"] * self.workers / (step_ms / 1e3)
+        return rows_per_s * self.flops_per_row / (peak * self.workers)
+
+    @functools.cached_property
+    def flops_per_row(self) -> float:
+        """A training step's FLOPs per row of the workload, counted on the meta device: no compute."""
         with torch.device("meta"):
-            decoder = workload.build_model(**{k: v for k, v in self.config["model"].items() if k != "trace"})
-        return (
-            self.throughput(step_ms)
-            * decoder.flops_per_token(self.config["dataset"]["sequence"])
-            / (peak * self.workers)
-        )
+            model = workload.build_model(**{k: v for k, v in self.config["model"].items() if k != "trace"})
+        d = self.config["dataset"]
+        shape, classes = tuple(d.get("shape", (1, 28, 28))), d.get("classes", 10)
+        rows = workload.make_data(0, 2, shape=shape, classes=classes, sequence=d.get("sequence"))
+        batch = {name: torch.from_numpy(values).to("meta") for name, values in rows.items()}
+        counted = count(workload.compute_loss, model, batch, tokens=None)
+        if not counted.known:
+            raise RuntimeError(f"the workload's FLOPs: {counted.missing}")
+        return counted.per_sample
 
     def describe(self) -> str:
         return describe(self.config, self.workers, self.batches_per_epoch)
@@ -270,6 +288,8 @@ class Bench:
         kept = json.loads((directory / "runs" / "bench" / "timeline.json").read_text())
         run.phases = {phase: length for phase, _, length in kept["phases"]}
         run.phases["exit"] = exited - max(at for _, at in kept["marks"])  # the last mark -> the process's exit
+        run.reported_rate = reports[-1]["samples_per_s"] * (self.config["dataset"].get("sequence") or 1)
+        run.reported_mfu = reports[-1].get("mfu")
 
     def compare_weights(self, runs: list[Run]) -> None:
         a = next((r for r in runs if r.side == "A" and r.exit_code == 0), None)
@@ -352,14 +372,6 @@ class RayCluster:
         return psutil.Process(self.process.pid)
 
 
-BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}  # dense, FLOP/s
-
-
-def _bf16_peak() -> float | None:
-    name = torch.cuda.get_device_name(0)
-    return next((peak for key, peak in BF16_PEAK.items() if key in name), None)
-
-
 def _signal(process: psutil.Process, sig: int) -> None:
     try:
         process.send_signal(sig)
@@ -429,6 +441,8 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
             "wall_s": _spread([r.wall_s for r in side_runs]),
             "throughput": _spread([bench.throughput(r.step_ms) for r in side_runs]),
             "mfu": _spread([bench.mfu(r.step_ms) for r in side_runs]),
+            "reported_throughput": _spread([r.reported_rate for r in side_runs]),
+            "reported_mfu": _spread([r.reported_mfu for r in side_runs]),
             "threads": side_runs[0].threads,
             "phases": {
                 phase: _spread([r.phases.get(phase) for r in side_runs])
@@ -526,7 +540,12 @@ def markdown(results: dict) -> str:
     rows = [
         ("steady step, ms", lambda f: _cell(f.get("step_ms"), ".2f")),
         (f"throughput, {results['unit']}", lambda f: _cell(f.get("throughput"), ",.0f")),
-        ("MFU (bf16 dense peak)", lambda f: _cell(f.get("mfu"), ".1%")),
+        ("MFU at the steady step (counted FLOPs, dense peak)", lambda f: _cell(f.get("mfu"), ".1%")),
+        (
+            f"throughput as B reports it (last epoch), {results['unit']}",
+            lambda f: _cell(f.get("reported_throughput"), ",.0f"),
+        ),
+        ("MFU as B reports it (last epoch)", lambda f: _cell(f.get("reported_mfu"), ".1%")),
         ("step time vs A (same round)", lambda f: _cell(f.get("ratio_vs_a"), ".3f", "1")),
         ("time to first step, s", lambda f: _cell(f.get("ttfs_s"), ".1f")),
         ("… minus A's (same round), s", lambda f: _cell(f.get("ttfs_gap_vs_a_s"), "+.1f", "0")),

@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import rank
+from raytrain_ddp.flops import si
 from raytrain_ddp.metrics import GENERATED, STOPPED
 from raytrain_ddp.optim import optimizer_steps
 from raytrain_ddp.timeline import MARKS, Timeline
@@ -135,6 +136,8 @@ def show_plan(console: Console, plan: Plan) -> None:
     )
     for skipped in resume.skipped:
         console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(skipped))}")
+    if config.scaling.use_gpu:  # where there is MFU to report
+        console.print(f"[dim]{escape(plan.flops.describe())}[/]", highlight=False)
 
 
 def describe_failure(error: BaseException, max_failures: int, failed_attempts: int) -> str:
@@ -151,5 +154,7 @@ def is_quality_metric(key: str, value: Any) -> bool:
 
 
 def throughput(m: dict[str, Any]) -> str:
+    """Samples/s (tokens/s where counted), and on a GPU of known peak the model FLOP/s and MFU."""
     tokens = f"{m['tokens_per_s']:,.0f} tokens/s, " if "tokens_per_s" in m else ""
-    return f"{m['samples_per_s']:,.0f} samples/s, {tokens}{m['data_wait_fraction']:.0%} waiting for data"
+    mfu = f"{si(m['model_flops_per_s'])}FLOP/s, MFU {m['mfu']:.1%}, " if "mfu" in m else ""
+    return f"{m['samples_per_s']:,.0f} samples/s, {tokens}{mfu}{m['data_wait_fraction']:.0%} waiting for data"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray.train
@@ -57,11 +57,11 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
             return summary
         timeline.mark("checks")
         plan = planning.make(standing, verbose=verbose, console=console)
-        preflight.check(plan)
+        plan = replace(plan, flops=preflight.check(plan))
         timeline.mark("pre-flight")
         ui.show_plan(console, plan)
         with lease.Lease(plan.run_path):
-            run_id = tracking.start_run(plan.config, plan.run_path)
+            run_id = tracking.start_run(plan.config, plan.run_path, plan.flops.params())
             timeline.mark("mlflow")
             trained = fit(plan, run_id, console, verbose)
             timeline.mark("fit returned")
@@ -162,6 +162,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
             "fitted": plan.fitted,  # the statistics of the training rows that build_model takes
             "batches_per_epoch": plan.batches_per_epoch,
             "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
+            "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
             "torch_datasets": None if ray_data else plan.datasets,  # shipped to every worker with the loop
         },
         scaling_config=ScalingConfig(

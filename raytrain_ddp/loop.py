@@ -34,6 +34,7 @@ from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data
 from raytrain_ddp.config import Config, DDPSettings
+from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.metrics import GENERATED, STOPPED, EpochMeter, all_gather, combine
 from raytrain_ddp.optim import Accumulation, Updater
 from raytrain_ddp.recipe import Recipe
@@ -56,6 +57,7 @@ class Worker:
     retrained: frozenset[str]  # damaged checkpoints training passes again: it writes `<name>-retrained`
     example: dict[str, torch.Tensor]  # two validation rows: what the model generates from at each evaluation
     marks: WorkerMarks  # rank 0's phases (the run's timeline), sent with its next report
+    flops: ModelFlops  # what a training step costs, and this rank's device's peak: for model FLOP/s and MFU
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     else:
         start = ckpt.TrainingState(epoch=0, step=0, updater={}, rng=[])
         _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank))
+    flops = loop_config["flops"].on(device, config.train.precision, rank)
     worker = Worker(
-        config, recipe, rank, worker_data, model, updater, accumulation, retrained, loop_config["example"], marks
+        config,
+        recipe,
+        rank,
+        worker_data,
+        model,
+        updater,
+        accumulation,
+        retrained,
+        loop_config["example"],
+        marks,
+        flops,
     )
     marks.mark("model")
     step, blocked, step_count = start.step, Blocked(), None
@@ -210,7 +223,7 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
             "epoch": at.epoch + at.batches / worker.accumulation.micro_batches,
             "step": at.step,
             "lr": worker.updater.lr,
-            **combine(meter, recipe.count_tokens is not None, worker.data.device),
+            **combine(meter, recipe.count_tokens is not None, worker.data.device, worker.flops),
             **{f"val_{name}": value for name, value in evaluate(model, recipe, worker.data.val_batches()).items()},
             "epoch_time_s": meter.epoch_time_s(),
             **asdict(blocked),

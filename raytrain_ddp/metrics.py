@@ -2,7 +2,8 @@
 
 A rank counts its samples, batches, loss and clocks in an `EpochMeter`; `combine` all-gathers the
 meters and reduces them (sums of counts; throughput over the slowest rank's busy time; clocks
-averaged per rank), so every rank reports the same global metrics.
+averaged per rank), so every rank reports the same global metrics. With the model's FLOPs known,
+model FLOP/s and, on GPUs whose peak is known, MFU (flops.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from raytrain_ddp.flops import ModelFlops, utilization
 
 # What every report carries besides the recipe's `val_<name>` metrics (and tokens, if it counts them).
 TRAIN_METRICS = (
@@ -40,13 +43,23 @@ TRAIN_METRICS = (
     "commit_wait_s",  # training blocked by the previous checkpoint: in all, and waiting for its commit
 )
 TOKEN_METRICS = ("train_tokens", "tokens_per_s")
+FLOP_METRICS = ("model_flops_per_s",)  # when the model's FLOPs are known (flops.py)
+# Only where, besides, every worker's GPU has a known peak: hardware the driver cannot know in advance,
+# so not among `reported_metrics` (a score or a check cannot rely on them).
+MFU_METRICS = ("mfu", "mfu_per_worker")
 STOPPED = "stopped"  # only in a report without a checkpoint: why the workers stop the run (see loop.py)
 GENERATED = "generated"  # only in rank 0's report, with a recipe's generate_samples: [{column: text}]
 
 
-def reported_metrics(val_names: Iterable[str], counts_tokens: bool) -> set[str]:
-    """The keys of every report, given the names the recipe's `evaluate` (and derived_metrics) return."""
-    return {*TRAIN_METRICS, *(TOKEN_METRICS if counts_tokens else ()), *(f"val_{name}" for name in val_names)}
+def reported_metrics(val_names: Iterable[str], counts_tokens: bool, counts_flops: bool = False) -> set[str]:
+    """The keys of every report, given the names the recipe's `evaluate` (and derived_metrics) return
+    (and, on GPUs whose peak is known, MFU_METRICS)."""
+    return {
+        *TRAIN_METRICS,
+        *(TOKEN_METRICS if counts_tokens else ()),
+        *(FLOP_METRICS if counts_flops else ()),
+        *(f"val_{name}" for name in val_names),
+    }
 
 
 @dataclass
@@ -123,11 +136,13 @@ class EpochMeter:
         return asdict(self) | {"earlier_s": self.epoch_time_s()}
 
 
-def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dict[str, Any]:
+def combine(
+    meter: EpochMeter, counts_tokens: bool, device: torch.device, flops: ModelFlops | None = None
+) -> dict[str, Any]:
     """The epoch's global training metrics, the same on every rank."""
     meter.settle()
-    gathered = all_gather((asdict(meter), _peak_memory_mb(device)))
-    parts = [EpochMeter(**fields) for fields, _ in gathered]
+    gathered = all_gather((asdict(meter), _peak_memory_mb(device), flops.peak if flops else None))
+    parts = [EpochMeter(**fields) for fields, _, _ in gathered]
     samples = sum(p.samples for p in parts)
     busy = max(p.data_wait_s + p.compute_s for p in parts)  # the slowest rank sets the pace
     metrics = {
@@ -142,11 +157,17 @@ def combine(meter: EpochMeter, counts_tokens: bool, device: torch.device) -> dic
         "data_wait_fraction": sum(p.data_wait_s for p in parts)
         / max(sum(p.data_wait_s + p.compute_s for p in parts), 1e-9),
         "data_wait_fraction_per_worker": [p.data_wait_s / max(p.data_wait_s + p.compute_s, 1e-9) for p in parts],
-        "peak_memory_mb": max(peak for _, peak in gathered),
+        "peak_memory_mb": max(memory for _, memory, _ in gathered),
     }
     if counts_tokens:
         tokens = sum(p.tokens for p in parts)
         metrics |= {"train_tokens": tokens, "tokens_per_s": tokens / max(busy, 1e-9)}
+    if flops is not None and flops.known:
+        metrics |= utilization(
+            [flops.trained(p.samples, p.tokens) for p in parts],
+            [p.data_wait_s + p.compute_s for p in parts],
+            [peak for _, _, peak in gathered],
+        )
     return metrics
 
 

@@ -7,6 +7,7 @@ read by the rest of the run (the checks, the trainer, registration and the summa
     make(standing): the recipe the config was loaded with
                     -> Ray: the recipe's datasets, two validation rows
                     -> the commands that resume the run, and train it longer
+    (then preflight.check adds what a training step costs: `flops`)
 
 A finished run is known from its `Standing`, before Ray starts (`Standing.finished`).
 """
@@ -26,6 +27,7 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data, layering, preflight, ray_address, session, storage, timeline, tracking
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.errors import RunFailed
+from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.recipe import Recipe
 
 
@@ -74,6 +76,7 @@ class Plan:
     resume_command: str  # continues this run
     extend_command: str  # continues it with train.epochs=N: trains it longer
     named: bool = True  # run.name was given (not made up for a new run)
+    flops: ModelFlops = ModelFlops()  # what a training step costs: found by the pre-flight check (flops.py)
 
 
 def stand(config: Config) -> Standing:

@@ -3,8 +3,9 @@
 Before Ray starts (`check_before_ray`): a run another live driver holds, a RAY_ADDRESS where no cluster
 answers, a tracking server that cannot be reached or refuses the credentials, storage that would vanish
 with the job. Then, with the plan in hand (`check`): the whole recipe on two validation rows (a broken
-recipe is a RecipeFailed naming function, file and line), the score metric, batch arithmetic, whether
-the cluster can ever hold the workers, whether every node sees the storage. What a resumed run may not
+recipe is a RecipeFailed naming function, file and line) and what one training step of it costs (its
+FLOPs, flops.py), the score metric, batch arithmetic, whether the cluster can ever hold the workers,
+whether every node sees the storage. What a resumed run may not
 change (`resume_conflicts`) is refused before Ray starts too, once the run's checkpoint is read
 (plan.stand). Every problem is reported at once, as one ConfigError.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +24,9 @@ import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import data, lease, ray_address, session, storage, tracking
+from raytrain_ddp import data, flops, lease, ray_address, session, storage, tracking
 from raytrain_ddp.config import Config, ConfigError, flatten
+from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.metrics import reported_metrics
 from raytrain_ddp.recipe import Recipe
 
@@ -63,18 +66,28 @@ def check_before_ray(config: Config, run_path: str) -> ray_address.RayAddress:
     return address
 
 
-def check(plan: Plan) -> None:
-    """Everything else that can rule the run out without starting a worker, reported at once."""
+def check(plan: Plan) -> ModelFlops:
+    """Everything else that can rule the run out without starting a worker, reported at once.
+    Returns what a training step of the model costs, found on the way (flops.py)."""
     config = plan.config
-    reported = check_recipe(config, plan.recipe, plan.example, plan.fitted)
+    checked = check_recipe(config, plan.recipe, plan.example, plan.fitted)
     problems = (
-        check_score(config, reported)
+        check_score(config, checked.reported)
         + check_batches(config, plan.train_rows)
         + check_resources(config, plan.datasets)
         + storage.check_shared(config.run.storage_path)
     )
     if problems:
         raise ConfigError(config.job, problems)
+    return checked.flops
+
+
+@dataclass(frozen=True)
+class RecipeCheck:
+    """What checking a recipe found: the metrics every report will carry, and what a training step costs."""
+
+    reported: set[str]
+    flops: ModelFlops
 
 
 class RecipeFailed(ConfigError):
@@ -86,15 +99,16 @@ class RecipeFailed(ConfigError):
         ValueError.__init__(self, f"recipe error in job '{recipe.name}' ({len(problems)} problem(s)):\n{lines}")
 
 
-def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor], fitted: Any = None) -> set[str]:
+def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor], fitted: Any = None) -> RecipeCheck:
     """The whole contract on two validation rows, as training will call it: build_model, compute_loss
     in training mode (a finite scalar, or (sum, count), with a gradient), evaluate (a mapping of
     (sum, count) pairs, with the score metric among what is reported), model_input (the logged
-    model's input runs through the model) and the optional hooks. Returns the metrics every report
-    will carry; raises RecipeFailed with every problem, each naming the recipe's function and the line
-    of its file where it failed. A recipe with a model too big for
-    the driver is run on its architecture alone (build_empty_model, on PyTorch's meta device): shapes
-    and contract, not values or gradients."""
+    model's input runs through the model) and the optional hooks. Then, the recipe kept, one training
+    step's FLOPs are counted on the same rows (or taken from count_flops: flops.py). Returns the
+    metrics every report will carry and those FLOPs; raises RecipeFailed with every problem, each
+    naming the recipe's function and the line of its file where it failed. A recipe with a model too
+    big for the driver is run on its architecture alone (build_empty_model, on PyTorch's meta device):
+    shapes and contract, not values or gradients."""
     meta = recipe.holds_large_model
     calls = _RecipeCalls(recipe)
     model = calls.run("build_empty_model" if meta else "build_model", recipe.make_model, config, fitted, empty=meta)
@@ -110,6 +124,7 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
             calls.run("model_input", lambda: model(recipe.model_input(example)))
         if recipe.generate_samples is not None and not meta:
             calls.run("generate_samples", recipe.generate_samples, model, example)
+    tokens = None
     if recipe.count_tokens is not None:
         tokens = calls.run("count_tokens", recipe.count_tokens, example)
         if tokens is not None and not _is_count(tokens):
@@ -121,9 +136,11 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
     val_names = list(metrics)
     if recipe.derived_metrics is not None:
         val_names += list(calls.run("derived_metrics", recipe.derived_metrics, dict.fromkeys(val_names, 1.0)) or {})
+    model_flops = _model_flops(calls, recipe, model, example, tokens, config.scaling.use_gpu)
     if calls.problems:
         raise RecipeFailed(recipe, calls.problems)
-    return reported_metrics(val_names, counts_tokens=recipe.count_tokens is not None)
+    counts_tokens = recipe.count_tokens is not None
+    return RecipeCheck(reported_metrics(val_names, counts_tokens, counts_flops=model_flops.known), model_flops)
 
 
 def check_score(config: Config, reported: set[str]) -> list[str]:
@@ -203,6 +220,32 @@ def _training_loss(recipe: Recipe, model: torch.nn.Module, example: dict[str, to
     model.train()
     with torch.no_grad() if meta else contextlib.nullcontext():
         return recipe.compute_loss(model, example)
+
+
+def _model_flops(
+    calls: _RecipeCalls,
+    recipe: Recipe,
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    tokens: int | None,
+    gpu: bool,
+) -> ModelFlops:
+    """One training step's FLOPs on the example rows: the recipe's count_flops where it has one (a
+    problem if it is not a positive number), else, for a run on GPUs, counted (flops.count, which
+    never refuses a run). A CPU run counts nothing: it has no peak to measure them against, and the
+    counter's first use would cost its driver a second (torch imports its compiler for it)."""
+    if recipe.count_flops is None:
+        if not gpu:
+            return ModelFlops(missing="counted for runs on GPUs only (scaling.use_gpu=true): MFU needs a GPU's peak")
+        return flops.count(recipe.compute_loss, model, example, tokens)
+    step = calls.run("count_flops", recipe.count_flops, model, example)
+    if step is None:
+        return ModelFlops()
+    if not _is_number(step) or not float(step) > 0:
+        calls.expect("count_flops", f"must return the FLOPs of a training step on the batch (> 0), got {step!r:.80}")
+        return ModelFlops()
+    rows = len(next(iter(example.values())))
+    return ModelFlops.of_step(float(step), rows, tokens, "the recipe's count_flops")
 
 
 def _loss_problem(loss: Any, meta: bool) -> str | None:

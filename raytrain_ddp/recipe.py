@@ -25,6 +25,9 @@ and, optionally:
     log_model(model, *, name) -> mlflow ModelInfo          # how the model is logged (e.g. mlflow.transformers),
                                                            # inside the service's MLflow run; then model_input
                                                            # is not needed
+    count_flops(model, batch) -> number                    # FLOPs of one training step (forward + backward) on
+                                                           # the batch, for a model torch's FLOP counter cannot
+                                                           # count (raytrain_ddp/flops.py): reports MFU
 
 `compute_loss` may also return `(sum, count)`: a loss summed over `count` items (tokens, say) of the
 batch. The service then divides each optimizer step's gradient by the count of the whole global batch
@@ -77,6 +80,7 @@ OPTIONAL = (
     "generate_samples",
     "build_empty_model",
     "log_model",
+    "count_flops",
 )
 # Keywords the service passes beside the YAML's, to the functions that name them.
 SERVICE_KWARGS = {"build_model": ("precision", "fitted"), "build_datasets": ("seed", "model")}
@@ -110,6 +114,7 @@ class Recipe:
     generate_samples: Callable[..., list[dict[str, str]]] | None = None
     build_empty_model: Callable[..., Any] | None = None
     log_model: Callable[..., Any] | None = None
+    count_flops: Callable[..., float] | None = None
 
     @property
     def holds_large_model(self) -> bool:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -157,16 +157,17 @@ def opening_store(tracking_uri: str) -> Iterator[None]:
         thread.join()
 
 
-def start_run(config: Config, run_path: str) -> str:
+def start_run(config: Config, run_path: str, extra_params: Mapping[str, str] | None = None) -> str:
     """The MLflow run of the training run at `run_path`: created on the first attempt, continued when
-    the run resumes. Params are the flattened config; a value changed on resume (train.epochs, say:
-    see preflight.RESUMABLE) is kept as a tag, since MLflow params cannot change."""
+    the run resumes. Params are the flattened config and `extra_params` (what the run found out before
+    training: the model's FLOPs); a value changed on resume (train.epochs, say: see preflight.RESUMABLE)
+    is kept as a tag, since MLflow params cannot change."""
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
     name, path = config.run.name, run_path
     found = client.search_runs([experiment_id], filter_string=_identity(name, path), max_results=1)
-    params = {key: str(value) for key, value in config.flat().items()}
+    params = {key: str(value) for key, value in config.flat().items()} | dict(extra_params or {})
     if found:
         run = found[0]
         client.update_run(run.info.run_id, status=RunStatus.to_string(RunStatus.RUNNING))

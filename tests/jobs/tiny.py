@@ -11,6 +11,8 @@ the run (each pass appends the worker's pid to fault_log/rank<R>.log, so the log
 attempts apart). `exit` (os._exit) and `kill` (SIGKILL) fire at pass N only; `raise` (a
 RuntimeError), `nan` (a NaN output) and `noscore` (evaluate drops the `mse` metric) hold from pass
 N on, in every later attempt too.
+
+It counts its own FLOPs (`count_flops`): the one way a CPU run reports model FLOP/s.
 """
 
 from __future__ import annotations
@@ -124,3 +126,13 @@ def evaluate(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tupl
 
 def model_input(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["x"]
+
+
+def count_flops(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """A training step's FLOPs, in closed form (so a CPU run reports model FLOP/s, see raytrain_ddp/flops.py):
+    per row, 2 per weight of the two layers forward, 2 per weight for their gradients, and 2 per weight
+    of the second for its input's gradient (the data needs none)."""
+    return FLOPS_PER_ROW * len(batch["x"])
+
+
+FLOPS_PER_ROW = 2 * (4 * 16 + 16) * 2 + 2 * 16

@@ -50,6 +50,9 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
         assert len(f["data_wait_per_worker"]) == 2 and all(0 <= w < 1 for w in f["data_wait_per_worker"]), side
         assert f["epoch_s"]["n"] == 2 and f["checkpoint_s"]["n"] >= 1, side
     assert figures["B"]["ratio_vs_a"]["n"] == 1 and figures["B"]["ttfs_gap_vs_a_s"]["n"] == 1
+    # B's own throughput, from its reports (and its MFU, on a GPU of known peak: none here).
+    assert figures["A"]["reported_throughput"] is None and figures["B"]["reported_throughput"]["median"] > 0
+    assert all(f["reported_mfu"] is None and f["mfu"] is None for f in figures.values())
     # The same batches, model, seed and optimizer: the same weights (and the comparison can tell:
     # B' deals its rows out by a DistributedSampler, another order, and ends elsewhere).
     for side in ("B-cold", "B", "B-async"):

@@ -24,6 +24,7 @@ from raytrain_ddp import load_config
 from raytrain_ddp.tracking import CHECKPOINT_TAG, SCORE_ATTRIBUTE_TAG, SCORE_ORDER_TAG, SCORE_TAG
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
+FLOPS_PER_ROW = 2 * (4 * 16 + 16) * 2 + 2 * 16  # tiny.py's count_flops
 
 
 def _run(workspace, *overrides: str):
@@ -58,6 +59,8 @@ def tiny(ray_session, module_workspace):
 
 
 def test_if_better_registers_a_models_first_run_with_its_score(tiny):
+    from mlflow.tracking import MlflowClient
+
     summary, out, versions = tiny["learns"]
     [version] = versions
     assert summary.model.version == 1 and summary.registration == ""
@@ -65,6 +68,13 @@ def test_if_better_registers_a_models_first_run_with_its_score(tiny):
     assert version.tags[SCORE_ATTRIBUTE_TAG] == "val_mse" and version.tags[SCORE_ORDER_TAG] == "min"
     assert float(version.tags[SCORE_TAG]) == summary.metrics["val_mse"]
     assert re.search(r"^  registered model +tiny  version 1$", out, re.M)
+    # tiny gives its FLOPs (count_flops): the MLflow run has them, every report the model FLOP/s of
+    # both workers at the pace of the slower; no MFU without a GPU's peak.
+    run = MlflowClient(summary.tracking_uri).get_run(summary.mlflow_run_id)
+    assert float(run.data.params["model_flops_per_sample"]) == FLOPS_PER_ROW
+    final = summary.final_metrics
+    assert final["model_flops_per_s"] == pytest.approx(FLOPS_PER_ROW * final["samples_per_s"])
+    assert "mfu" not in final and "mfu_per_worker" not in final
 
 
 def test_if_better_does_not_register_a_worse_run_and_says_why_and_how_to_register_it(tiny, module_workspace):

@@ -11,7 +11,7 @@ import torch
 
 from raytrain_ddp import ConfigError, load_config
 from raytrain_ddp import recipe as recipes
-from raytrain_ddp.preflight import RecipeFailed, check_batches, check_recipe, check_score
+from raytrain_ddp.preflight import RecipeCheck, RecipeFailed, check_batches, check_recipe, check_score
 
 RECIPE = """
 import torch
@@ -47,13 +47,13 @@ def _in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the recipe's file is named relative to the working directory
 
 
-def _check(tmp_path: Path, *edits: tuple[str, str], example=EXAMPLE) -> set[str]:
+def _check(tmp_path: Path, *edits: tuple[str, str], example=EXAMPLE, overrides=()) -> RecipeCheck:
     text = RECIPE
     for old, new in edits:
         assert old in text
         text = text.replace(old, new)
     (tmp_path / "job.py").write_text(text)
-    config = load_config(str(tmp_path / "job.py"))
+    config = load_config(str(tmp_path / "job.py"), overrides=list(overrides))
     return check_recipe(config, recipes.load(str(tmp_path / "job.py")), example)
 
 
@@ -67,7 +67,31 @@ def _refusal(tmp_path: Path, *edits: tuple[str, str]) -> str:
 
 
 def test_a_recipe_that_keeps_the_contract_reports_its_metrics(tmp_path):
-    assert {"val_loss", "train_loss", "epoch"} <= _check(tmp_path)
+    checked = _check(tmp_path)
+    assert {"val_loss", "train_loss", "epoch"} <= checked.reported
+    # A CPU run counts no FLOPs (it has no peak to hold them against): nothing to pay for, nothing reported.
+    assert not checked.flops.known and not {"model_flops_per_s", "mfu", "mfu_per_worker"} & checked.reported
+
+
+def test_a_gpu_run_counts_the_flops_of_a_training_step_and_reports_them(tmp_path):
+    checked = _check(tmp_path, overrides=["scaling.use_gpu=true"])  # counted on the driver: no GPU needed
+    assert checked.flops.per_sample == 6 * 8 * 3 + 4 * 4 * 8  # no input gradient for the first layer
+    assert "model_flops_per_s" in checked.reported
+    assert not {"mfu", "mfu_per_worker"} & checked.reported  # only on GPUs of known peak: nothing may rely on them
+
+
+COUNT_FLOPS = ("def model_input(batch):", "def count_flops(model, batch):\n    return {}\n\n\ndef model_input(batch):")
+
+
+def test_a_recipe_that_counts_its_own_flops_is_believed(tmp_path):
+    checked = _check(tmp_path, (COUNT_FLOPS[0], COUNT_FLOPS[1].format("1000.0 * len(batch['x'])")))
+    assert checked.flops.per_sample == 1000.0 and checked.flops.source == "the recipe's count_flops"
+
+
+def test_a_flop_count_that_is_no_positive_number_is_refused(tmp_path):
+    message = _refusal(tmp_path, (COUNT_FLOPS[0], COUNT_FLOPS[1].format("0")))
+    line = RECIPE.splitlines().index("def model_input(batch):") + 1
+    assert f"count_flops (job.py, line {line}) must return the FLOPs of a training step on the batch" in message
 
 
 def test_evaluate_returning_a_mean_is_refused_naming_the_function_file_and_line(tmp_path):
@@ -111,7 +135,7 @@ def test_each_broken_part_of_the_contract_is_named(tmp_path, edit, says):
 
 
 def test_a_score_metric_the_recipe_does_not_report_is_a_config_problem(tmp_path):
-    reported = _check(tmp_path)
+    reported = _check(tmp_path).reported
     config = load_config(str(tmp_path / "job.py"), overrides=["checkpoint.score_attribute=val_accuracy"])
     [problem] = check_score(config, reported)
     assert "'val_accuracy' is not a reported metric; choose one of:" in problem and "val_loss" in problem
