@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.queue import Queue
 
+from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.metrics import GENERATED, STOPPED
 
 GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
@@ -48,7 +49,13 @@ class ProgressRelay(ray.train.UserCallback):
         self._put(("report", metrics[0]))
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        self._put(("failure", {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}, self.latest))
+        errors = {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}
+        run = run_context.run_config
+        try:  # a checkpoint reported just before the failure, not recorded yet, is where the restart resumes
+            resumes = ckpt.newest_unrecorded(f"{run.storage_path}/{run.name}", self.latest) or self.latest
+        except Exception:  # noqa: BLE001 - never end the run for the display's sake
+            resumes = self.latest
+        self._put(("failure", errors, resumes))
 
     def _put(self, event: tuple) -> None:
         try:  # a display problem must never end the run (controller errors are not retried)

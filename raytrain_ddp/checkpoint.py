@@ -20,6 +20,13 @@ summary), by the rule Ray Train uses to decide which checkpoints to keep.
 
 Checkpoints are named for where training stood: `epoch_0003` at the end of epoch 3,
 `epoch_0004-step_0000450` at step 450, in epoch 4.
+
+A checkpoint is on storage, whole, before its report returns (checkpoint.upload=sync); Ray Train
+records it when its controller next polls the workers. A worker that dies in between would take the
+report with it: `unrecorded` finds such a checkpoint in the run's directory, and a run resumes from
+it when it is newer than Ray's latest and verifies (then `loop.py` reports it again, so that Ray
+records it). So training never waits for the controller's poll, and a reported checkpoint is never
+lost.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import logging
 import math
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +46,9 @@ from typing import Any
 import numpy as np
 import ray.train
 import torch
+from pyarrow.fs import FileSelector, FileType
+
+from raytrain_ddp import storage
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
@@ -67,6 +78,19 @@ class TrainingState:
 def dir_name(epoch: int, step: int, batches: int) -> str:
     """`epoch_0003` after epoch 3; `epoch_0004-step_0000450` at step 450, `batches` into epoch 4."""
     return f"epoch_{epoch:04d}" if batches == 0 else f"epoch_{epoch + 1:04d}-step_{step:07d}"
+
+
+_NAME = re.compile(r"epoch_(\d+)(?:-step_(\d+))?(?:-retrained)?")
+
+
+def position(name: str) -> tuple[int, int, int] | None:
+    """Where training stood at the checkpoint named `name`, in an order that grows with training
+    (None: not a checkpoint's name): a mid-epoch checkpoint of epoch 4 comes before `epoch_0004`."""
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    epoch, step = int(match.group(1)), match.group(2)
+    return (epoch, 1, 0) if step is None else (epoch, 0, int(step))
 
 
 def save(
@@ -182,6 +206,7 @@ class Opened:
     checkpoint: ray.train.Checkpoint
     verified: Verified
     skipped: list[Skipped]
+    recorded: bool = True  # in Ray's record of the run; False: written and reported, not recorded (`unrecorded`)
 
     @property
     def name(self) -> str:
@@ -196,6 +221,13 @@ def location(checkpoint: ray.train.Checkpoint) -> str:
     """Where a checkpoint is, as users name it: a path, or a URI (`checkpoint.path` drops the scheme)."""
     scheme = checkpoint.filesystem.type_name
     return checkpoint.path if scheme == "local" else f"{scheme}://{checkpoint.path}"
+
+
+def newest_unrecorded(run_path: str, latest: str | None) -> str | None:
+    """The name of the run's newest checkpoint newer than `latest` that verifies (what a restart
+    resumes from, if any: see `open_resume_point`)."""
+    with open_resume_point(None, [], unrecorded(run_path, latest)) as opened:
+        return None if opened is None else opened.name
 
 
 def newest_first(reported: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]]) -> list[ray.train.Checkpoint]:
@@ -244,14 +276,50 @@ def run_record(run_path: str) -> ray.train.Result | None:
     return record if record.best_checkpoints else None
 
 
+def unrecorded(run_path: str, latest: str | None) -> list[ray.train.Checkpoint]:
+    """The run's checkpoints newer than the one named `latest`, Ray's latest (all, without one),
+    newest first: written and reported by rank 0, not recorded by Ray Train (see the module's
+    docstring). Unverified."""
+    fs, directory = storage.locate(run_path)
+    try:
+        found = fs.get_file_info(FileSelector(directory, allow_not_found=True))
+    except OSError:
+        return []
+    after = position(latest) if latest is not None else None
+    newer = [
+        (position(info.base_name), info.path)
+        for info in found
+        if info.type == FileType.Directory and position(info.base_name) is not None
+    ]
+    newer = [(where, path) for where, path in newer if after is None or where > after]
+    return [ray.train.Checkpoint(path, filesystem=fs) for _, path in sorted(newer, reverse=True)]
+
+
+@contextlib.contextmanager
 def open_resume_point(
-    latest: ray.train.Checkpoint, committed: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]]
-) -> contextlib.AbstractContextManager[Opened]:
-    """Open the checkpoint a run resumes from: Ray's latest committed one or, where it is damaged, the
-    newest of the run's other committed checkpoints (with their metrics) that verifies. The driver
-    (from the run's record) and the workers (from Ray Train's context) both decide it here."""
+    latest: ray.train.Checkpoint | None,
+    committed: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]],
+    unrecorded: Iterable[ray.train.Checkpoint] = (),
+) -> Iterator[Opened | None]:
+    """Open the checkpoint a run resumes from: the newest of its `unrecorded` ones that verifies (one
+    that does not was never whole: passed over in silence), else Ray's latest committed one or, where
+    that is damaged, the newest of the run's other committed checkpoints (with their metrics) that
+    verifies; None for a run with no checkpoint recorded nor whole. The driver (from the run's
+    record) and the workers (from Ray Train's context) both decide it here."""
+    for checkpoint in unrecorded:
+        with checkpoint.as_directory() as directory:
+            try:
+                verified = open_verified(directory)
+            except CheckpointError:
+                continue
+            yield Opened(checkpoint, verified, [], recorded=False)
+            return
+    if latest is None:
+        yield None
+        return
     older = [checkpoint for checkpoint in newest_first(committed) if checkpoint.path != latest.path]
-    return open_first_verified([latest, *older])
+    with open_first_verified([latest, *older]) as opened:
+        yield opened
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from raytrain_ddp.metrics import GENERATED, STOPPED, EpochMeter, all_gather, com
 from raytrain_ddp.optim import Accumulation, Updater
 from raytrain_ddp.recipe import Recipe
 from raytrain_ddp.timeline import WorkerMarks
+from raytrain_ddp.timeline import strip as strip_marks
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +74,9 @@ class Position:
 
 @dataclass(frozen=True)
 class Blocked:
-    """How long the previous checkpoint blocked training: in all, and waiting for its commit. Reported
-    with the next."""
+    """How long the previous checkpoint blocked training. Reported with the next."""
 
     checkpoint_s: float = 0.0
-    commit_wait_s: float = 0.0
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -96,7 +96,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     # 2. Resume where the newest checkpoint that verifies left off (to the micro-batch, with every
     #    rank's random state), or seed this rank's own random stream.
-    start, retrained = _resume(model, updater, worker_data.world_size)
+    start, retrained = _resume(model, updater, config, worker_data.world_size)
     if start is not None:
         ckpt.set_rng_state(start.rng[rank])
     else:
@@ -283,16 +283,22 @@ def _generate(
 
 
 def _resume(
-    model: torch.nn.Module, updater: Updater, world_size: int
+    model: torch.nn.Module, updater: Updater, config: Config, world_size: int
 ) -> tuple[ckpt.TrainingState | None, frozenset[str]]:
-    """Load the newest checkpoint of the run that verifies: Ray's latest, else (damaged) the newest
-    committed one before it. Returns its training state (None for a new run) and the names of the
-    checkpoints skipped, which training will pass again and must not overwrite."""
+    """Load the newest checkpoint of the run that verifies: one written and reported but not recorded
+    by Ray (its worker died before the controller's poll: reported again here, so Ray records it),
+    else Ray's latest, else (damaged) the newest committed one before it. Returns its training state
+    (None for a new run) and the names of the checkpoints skipped, which training will pass again
+    and must not overwrite."""
     latest = ray.train.get_checkpoint()
-    if latest is None:
+    run_path = f"{config.run.storage_path}/{config.run.name}"
+    unrecorded = ckpt.unrecorded(run_path, None if latest is None else Path(latest.path).name)
+    if latest is None and not unrecorded:
         return None, frozenset()
     committed = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
-    with ckpt.open_resume_point(latest, ((c.checkpoint, c.metrics) for c in committed)) as opened:
+    with ckpt.open_resume_point(latest, ((c.checkpoint, c.metrics) for c in committed), unrecorded) as opened:
+        if opened is None:  # nothing recorded, and nothing written whole
+            return None, frozenset()
         for skipped in opened.skipped:
             logger.warning("skipping a damaged checkpoint: %s", skipped)
         chosen = all_gather(opened.name)
@@ -302,6 +308,8 @@ def _resume(
             )
         ckpt.load_weights(model, opened.verified.model_state())
         state = opened.verified.training_state()
+        if not opened.recorded:
+            _report_again(opened)
     if len(state.rng) != world_size:
         raise RuntimeError(
             f"checkpoint was written by {len(state.rng)} workers, this run has {world_size}; "
@@ -309,6 +317,20 @@ def _resume(
         )
     updater.load_state_dict(state.updater)
     return state, frozenset(skipped.name for skipped in opened.skipped)
+
+
+def _report_again(opened: ckpt.Opened) -> None:
+    """Report a checkpoint that is on storage but not in Ray's record, from every rank, with the
+    metrics it was reported with: Ray records it where it is (nothing is copied), logs its metrics
+    and ranks it among the run's checkpoints, as if the first report had reached the controller."""
+    metrics = strip_marks(opened.verified.metrics())
+    on_storage = opened.checkpoint if ray.train.get_context().get_world_rank() == 0 else None
+    ray.train.report(
+        metrics,
+        checkpoint=on_storage,
+        checkpoint_dir_name=opened.name,
+        checkpoint_upload_fn=lambda checkpoint, _name: checkpoint,
+    )
 
 
 def _save_and_report(
@@ -322,11 +344,12 @@ def _save_and_report(
 ) -> Blocked:
     """Report with rank 0's checkpoint. Returns how long training was blocked.
 
-    sync: upload, then wait until the controller has committed the checkpoint: a worker that died in
-    the next second would otherwise take it with it (the restart would resume from the one before).
-    async: rank 0 writes the checkpoint to a local directory and Ray uploads it (then deletes it) in
-    a background thread; training goes on at once, and a failure before the commit resumes from the
-    checkpoint before (the result is the same, the work since is lost)."""
+    sync: rank 0 writes the checkpoint, and the report returns once it is on storage, whole. Training
+    goes on without waiting for Ray's controller to record it: a worker that dies before it does
+    leaves the checkpoint on storage, where the restart finds it (`_resume`). async: rank 0 writes
+    the checkpoint to a local directory and Ray uploads it (then deletes it) in a background thread;
+    training goes on at once, and a failure before the upload ends resumes from the checkpoint before
+    (the result is the same, the work since is lost)."""
     started = time.perf_counter()
     mode = CheckpointUploadMode.ASYNC if upload == "async" else CheckpointUploadMode.SYNC
     checkpoint = None
@@ -341,11 +364,7 @@ def _save_and_report(
         checkpoint_upload_mode=mode,
         delete_local_checkpoint_after_upload=True,
     )
-    reported = time.perf_counter()
-    if mode == CheckpointUploadMode.SYNC:
-        ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
-    done = time.perf_counter()
-    return Blocked(checkpoint_s=done - started, commit_wait_s=done - reported)
+    return Blocked(checkpoint_s=time.perf_counter() - started)
 
 
 @contextlib.contextmanager

@@ -39,8 +39,7 @@ TRAIN_METRICS = (
     "val_samples",
     "val_samples_per_worker",
     "epoch_time_s",
-    "checkpoint_s",
-    "commit_wait_s",  # training blocked by the previous checkpoint: in all, and waiting for its commit
+    "checkpoint_s",  # training blocked by the previous checkpoint
 )
 TOKEN_METRICS = ("train_tokens", "tokens_per_s")
 FLOP_METRICS = ("model_flops_per_s",)  # when the model's FLOPs are known (flops.py)

@@ -18,6 +18,7 @@ import secrets
 import shlex
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -215,12 +216,16 @@ def _build_datasets(config: Config, recipe: Recipe) -> tuple[dict[str, Any], Any
 
 def _resume_point(run_path: str, config: Config) -> ResumePoint:
     record = ckpt.run_record(run_path)
-    if record is None:
+    latest, committed = (record.checkpoint, record.best_checkpoints) if record is not None else (None, [])
+    unrecorded = ckpt.unrecorded(run_path, None if latest is None else Path(latest.path).name)
+    if latest is None and not unrecorded:
         return ResumePoint()
     c = config.checkpoint
-    [(_, best), *_] = ckpt.best_first(record.best_checkpoints, c.score_attribute, c.score_order)
+    best = ckpt.best_first(committed, c.score_attribute, c.score_order)[0][1] if committed else None
     try:
-        with ckpt.open_resume_point(record.checkpoint, record.best_checkpoints) as opened:
+        with ckpt.open_resume_point(latest, committed, unrecorded) as opened:
+            if opened is None:  # nothing recorded, and nothing written whole: a new run
+                return ResumePoint()
             metrics = opened.verified.metrics()
             skipped = [str(s) for s in opened.skipped]
             return ResumePoint(

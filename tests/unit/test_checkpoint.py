@@ -148,6 +148,33 @@ def test_the_newest_checkpoint_that_verifies_is_opened_and_the_damaged_ones_are_
         ]
 
 
+def test_a_checkpoint_written_but_not_recorded_by_ray_is_where_the_run_resumes(tmp_path):
+    """Rank 0's report returns once its checkpoint is whole on storage; a worker that dies before Ray's
+    controller records it leaves it there, unrecorded: the run resumes from it, not from Ray's latest.
+    One that is not whole (no manifest: its upload was cut) is passed over, without being called damaged."""
+    run = _run_of_three(tmp_path)  # as if Ray had recorded only the first two, by step: 4 and 6
+    recorded = [(c, m) for c, m in run if m["step"] < 8]
+    latest = ckpt.newest_first(recorded)[0]
+    (tmp_path / "epoch_0003").mkdir()  # an upload cut short, newer still
+    (tmp_path / "errors").mkdir()  # not a checkpoint
+
+    unrecorded = ckpt.unrecorded(str(tmp_path), Path(latest.path).name)
+    assert [Path(c.path).name for c in unrecorded] == ["epoch_0003", "epoch_0002-step_0000008"]
+    with ckpt.open_resume_point(latest, recorded, unrecorded) as opened:
+        assert opened.name == "epoch_0002-step_0000008" and not opened.recorded and opened.skipped == []
+        assert opened.verified.training_state().step == 8
+    assert ckpt.newest_unrecorded(str(tmp_path), Path(latest.path).name) == "epoch_0002-step_0000008"
+
+    (tmp_path / "epoch_0002-step_0000008" / ckpt.MANIFEST_FILE).unlink()  # none whole: Ray's latest
+    with ckpt.open_resume_point(latest, recorded, ckpt.unrecorded(str(tmp_path), "epoch_0001")) as opened:
+        assert opened.name == "epoch_0001" and opened.recorded
+    cut = tmp_path / "cut"  # a run whose first upload was cut short: nothing recorded, nothing whole
+    (cut / "epoch_0001").mkdir(parents=True)
+    with ckpt.open_resume_point(None, [], ckpt.unrecorded(str(cut), None)) as opened:
+        assert opened is None  # a new run
+    assert ckpt.position("epoch_0004") > ckpt.position("epoch_0004-step_0000450") > ckpt.position("epoch_0003")
+
+
 def test_a_run_whose_every_checkpoint_is_damaged_names_each_and_why(tmp_path):
     checkpoints = ckpt.newest_first(_run_of_three(tmp_path))
     for checkpoint in checkpoints:
