@@ -1,9 +1,12 @@
 """The update rules the worker loop applies, checked directly: weight decay, LR schedules, gradient
-clipping, how micro-batches group into optimizer steps, and the optimizer's fused kernels."""
+clipping, how micro-batches group into optimizer steps, and the optimizer's fused kernels (and the
+benchmark's torchrun side building the same optimizer)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +116,15 @@ def test_the_optimizer_is_fused_on_cpu_and_a_checkpoint_of_the_default_implement
     updater.load_state_dict({"optimizer": older.state_dict(), "scheduler": scheduler, "scaler": {}})
     updater.optimizer.step()  # loads and steps; the run keeps the implementation it started with
     assert [group["fused"] for group in updater.optimizer.param_groups] == [None, None]
+
+
+def test_the_benchmarks_torchrun_side_builds_the_services_optimizer():
+    path = Path(__file__).parents[2] / "bench" / "torchrun_ddp.py"
+    spec = importlib.util.spec_from_file_location("torchrun_ddp", path)
+    side_a = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(side_a)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    train = {"optimizer": "adamw", "lr": 3e-4, "weight_decay": 0.1}
+    theirs, ours = side_a.build_optimizer(model, train), build_optimizer(model, TrainSettings(**train))
+    assert type(theirs) is type(ours)
+    assert theirs.state_dict()["param_groups"] == ours.state_dict()["param_groups"]
