@@ -160,16 +160,20 @@ def test_batch_arithmetic_that_fits_passes(tmp_path):
     assert check_batches(config, 142) == []
 
 
-def test_compiling_for_cpu_without_a_cpp_compiler_is_refused_with_the_fix(tmp_path):
+def test_compiling_where_torch_cannot_is_refused_with_the_fix(tmp_path, monkeypatch):
     from torch._inductor import config as inductor
 
     (tmp_path / "job.py").write_text(RECIPE)
     config = load_config(str(tmp_path / "job.py"), overrides=["train.compile=true"])
+    assert check_compile(config) == []
     with inductor.patch("cpp.cxx", (None, str(tmp_path / "no-g++"))):  # as if $CXX named no compiler
         [problem] = check_compile(config)
+        assert check_compile(with_overrides(config, "train.compile=false")) == []
     assert problem.startswith("train.compile: compiling for CPU needs a C++ compiler and none works on this machine")
     assert "install g++ (apt-get install g++), set CXX to one, or set train.compile=false" in problem
-    assert check_compile(with_overrides(config, "train.compile=false")) == []
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)  # as on a Python too new for it
+    [problem] = check_compile(config)
+    assert problem.startswith(f"train.compile: torch {torch.__version__} cannot compile on Python 3.")
 
 
 def test_a_resume_may_not_switch_compile_on_and_a_run_older_than_the_key_resumes(tmp_path):
