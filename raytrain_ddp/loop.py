@@ -233,12 +233,12 @@ def wrap_model(model: torch.nn.Module, ddp: DDPSettings, compile: bool = False) 
 def compile_for_training(model: torch.nn.Module) -> torch.nn.Module:
     """`model` compiled (torch.compile, inductor), for DDP to wrap: only training runs compiled.
 
-    Inside DDP, not around it: dynamo splits a graph it compiles within DDP's forward at DDP's
-    buckets either way (DDPOptimizer, torch/_dynamo/convert_frame.py), so each bucket's all-reduce
-    starts while the backward pass goes on. But compiling the DDP wrapper breaks the graph in DDP's
-    forward, and dynamo then compiles only frames of user code below it: a model whose top module is
-    a torch container (nn.Sequential, as the benchmark's MLP) ran entirely eager (seen: no graph at
-    all). Compiling the module itself compiles it whatever its class. Not in place
+    Inside DDP, not around it as torch's DDP notes show: dynamo splits a graph it compiles within
+    DDP's forward at DDP's buckets either way (DDPOptimizer, torch/_dynamo/convert_frame.py), so each
+    bucket's all-reduce starts while the backward pass goes on. But compiling the DDP wrapper breaks
+    the graph in DDP's forward, and dynamo then compiles only frames of user code below it: a model
+    whose top module is a torch container (nn.Sequential, as the benchmark's MLP) ran entirely eager
+    (seen: no graph at all). Compiling the module itself compiles it whatever its class. Not in place
     (`model.compile()`): `model` is also what evaluates, generates and is saved.
 
     Evaluation and generation stay eager, on `model`: the reported validation metrics are those of
