@@ -22,7 +22,8 @@ demo: install
 	.venv/bin/raytrain-ddp train digits
 
 # Everything: lint, then both tiers (tests/unit without Ray, tests/system end to end). System
-# packages for the `ray up` test (sshd, rsync) are installed where the machine allows, else named.
+# packages for the `ray up` test (sshd, rsync) and the compile test (g++) are installed where the
+# machine allows, else named.
 test: lint
 	bash tests/system-deps.sh
 	.venv/bin/pytest

@@ -2,9 +2,11 @@
 
     torchrun --nproc-per-node 2 bench/torchrun_ddp.py bench/workload.yaml --out DIR [key=value ...]
 
-It reads the same YAML as side B (seed, model, dataset, train.epochs, batch_size, lr, precision) and
-imports the same recipe (bench/workload.py): same model, same data in memory, same seed, same per-worker
-batch, same optimizer (AdamW, the same settings). Gloo on CPU, NCCL on GPU (one GPU per process).
+It reads the same YAML as side B (seed, model, dataset, train.epochs, batch_size, lr, weight_decay,
+precision, compile) and imports the same recipe (bench/workload.py): same model, same data in memory,
+same seed, same per-worker batch, same optimizer built the same way (`build_optimizer`), compiled the
+same way with train.compile (`torch.compile` of the module DDP wraps, static shapes). Gloo on CPU, NCCL
+on GPU (one GPU per process).
 Each epoch ends with a checkpoint, as a plain script would write one: rank 0 saves the model and
 optimizer with torch.save. Rank 0 writes the final weights to DIR/final.pt and every rank its clocks
 to DIR/rank<R>.json.
@@ -51,8 +53,10 @@ def main() -> None:
 
     torch.manual_seed(config["seed"])
     model = recipe.build_model(**config["model"]).to(device)
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train["lr"], weight_decay=train["weight_decay"])
+    # As raytrain_ddp.loop.wrap_model: the model compiled inside DDP, so DDP's buckets split the graph.
+    trained = torch.compile(model, dynamic=False) if train.get("compile") else model
+    ddp_model = DistributedDataParallel(trained, device_ids=[device.index] if cuda else None)
+    optimizer = build_optimizer(model, train)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.get("precision") == "bf16")
 
     dataset = config["dataset"]
@@ -101,6 +105,19 @@ def main() -> None:
         json.dumps({"rank": rank, "world": world, "device": str(device), "epochs": clocks})
     )
     dist.destroy_process_group()
+
+
+def build_optimizer(model: torch.nn.Module, train: dict) -> torch.optim.Optimizer:
+    """raytrain_ddp.optim.build_optimizer for the workload's AdamW, mirrored: weight decay on matrices
+    only, in two parameter groups; fused kernels, which torch has on CPU and CUDA."""
+    if train["optimizer"] != "adamw":
+        raise SystemExit(f"train.optimizer={train['optimizer']}: side A mirrors the service's AdamW only")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": train["weight_decay"]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=train["lr"], fused=True)
 
 
 def load(path: str, overrides: list[str], layer: str | None = None) -> dict:

@@ -88,10 +88,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     marks.mark("loop")
     accumulation = Accumulation(loop_config["batches_per_epoch"], config.train.grad_accum_steps)
 
-    # 1. Build the same model on every rank, wrap it in DDP, then optimizer, schedule and precision.
+    # 1. Build the same model on every rank, wrap it in DDP (compiled inside, if asked for), then
+    #    optimizer, schedule and precision.
     torch.manual_seed(config.seed)
     model = recipe.make_model(config, loop_config["fitted"])
-    ddp_model = wrap_model(model, config.ddp)
+    ddp_model = wrap_model(model, config.ddp, config.train.compile)
     updater = Updater(model, config.train, accumulation.steps, device)
 
     # 2. Resume where the newest checkpoint that verifies left off (to the micro-batch, with every
@@ -243,12 +244,40 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
         return _save_and_report(metrics, model, state, config.to_dict(), worker.rank, name, config.checkpoint.upload)
 
 
-def wrap_model(model: torch.nn.Module, ddp: DDPSettings) -> torch.nn.Module:
-    """DDP with the configured keyword arguments (after SyncBatchNorm conversion, if asked for).
-    `model` stays the unwrapped module: converted BatchNorm layers keep the same state_dict keys."""
+def wrap_model(model: torch.nn.Module, ddp: DDPSettings, compile: bool = False) -> torch.nn.Module:
+    """DDP with the configured keyword arguments (after SyncBatchNorm conversion, if asked for), around
+    the model compiled for training if `compile` (see `compile_for_training`). `model` stays the
+    unwrapped, uncompiled module: converted BatchNorm layers keep the same state_dict keys, and a
+    compiled one adds none (no `_orig_mod.`)."""
     if ddp.sync_batchnorm:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp.model_dump(exclude={"sync_batchnorm"}))
+    trained = compile_for_training(model) if compile else model
+    return ray.train.torch.prepare_model(trained, parallel_strategy_kwargs=ddp.model_dump(exclude={"sync_batchnorm"}))
+
+
+def compile_for_training(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` compiled (torch.compile, inductor), for DDP to wrap: only training runs compiled.
+
+    Inside DDP, not around it as torch's DDP notes show: dynamo splits a graph it compiles within
+    DDP's forward at DDP's buckets either way (DDPOptimizer, torch/_dynamo/convert_frame.py), so each
+    bucket's all-reduce starts while the backward pass goes on. But compiling the DDP wrapper breaks
+    the graph in DDP's forward, and dynamo then compiles only frames of user code below it: a model
+    whose top module is a torch container (nn.Sequential, as the benchmark's MLP) ran entirely eager
+    (seen: no graph at all). Compiling the module itself compiles it whatever its class. Not in place
+    (`model.compile()`): `model` is also what evaluates, generates and is saved.
+
+    Evaluation and generation stay eager, on `model`: the reported validation metrics are those of
+    the module as it is checkpointed and registered (and as MLflow serves it), evaluation compiles
+    nothing (an eval-mode graph per eval batch shape, for one pass an epoch), and generation's growing
+    sequences would recompile at each new length.
+
+    `dynamic=False`: one graph per batch shape, chosen by the shape alone, each compiled once (a short
+    last batch is one more graph, not a recompilation every epoch). With automatic dynamic shapes the
+    graph a batch runs through would depend on the shapes the process saw before it, and a resumed
+    run, a new process, could round differently from the run it continues. A recipe whose batch
+    shapes vary from batch to batch (text cut to each batch's longest) compiles a graph per shape up
+    to torch._dynamo.config.recompile_limit (8), then runs new shapes eagerly: leave it uncompiled."""
+    return torch.compile(model, dynamic=False)
 
 
 def evaluate(model: torch.nn.Module, recipe: Recipe, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:

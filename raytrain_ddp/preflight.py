@@ -2,17 +2,18 @@
 
 Before Ray starts (`check_before_ray`): a run another live driver holds, a RAY_ADDRESS where no cluster
 answers, a tracking server that cannot be reached or refuses the credentials, storage that would vanish
-with the job. Then, with the plan in hand (`check`): the whole recipe on two validation rows (a broken
-recipe is a RecipeFailed naming function, file and line) and what one training step of it costs (its
-FLOPs, flops.py), the score metric, batch arithmetic, whether the cluster can ever hold the workers,
-whether every node sees the storage. What a resumed run may not
-change (`resume_conflicts`) is refused before Ray starts too, once the run's checkpoint is read
-(plan.stand). Every problem is reported at once, as one ConfigError.
+with the job, train.compile where torch cannot compile. Then, with the plan in hand (`check`): the
+whole recipe on two validation rows (a broken recipe is a RecipeFailed naming function, file and line)
+and what one training step of it costs (its FLOPs, flops.py), the score metric, batch arithmetic,
+whether the cluster can ever hold the workers, whether every node sees the storage. What a resumed
+run may not change (`resume_conflicts`) is refused before Ray starts too, once the run's checkpoint is
+read (plan.stand). Every problem is reported at once, as one ConfigError.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,14 +57,37 @@ RESUMABLE = (
 
 def check_before_ray(config: Config, run_path: str) -> ray_address.RayAddress:
     """Raise RunBusy if another live driver trains the run, ConfigError for a RAY_ADDRESS where no
-    cluster answers, a tracking server that cannot be used or paths that would not outlast the job:
-    seconds, before Ray starts. Returns the Ray to join."""
+    cluster answers, a tracking server that cannot be used, paths that would not outlast the job or
+    train.compile on a machine that cannot compile: seconds, before Ray starts. Returns the Ray to join."""
     lease.check(run_path)
     address = session.ray_address()
     server = tracking.check_server(config.mlflow.tracking_uri)
-    if problems := check_lasting_paths(config) + [p for p in (address.problem, server) if p]:
+    if problems := check_lasting_paths(config) + check_compile(config) + [p for p in (address.problem, server) if p]:
         raise ConfigError(config.job, problems)
     return address
+
+
+def check_compile(config: Config) -> list[str]:
+    """What train.compile needs of the machine, checked on the driver's (the workers' nodes are
+    expected to run the same image): a Python that torch.compile supports and, to train on CPU, a
+    C++ compiler for inductor's kernels (on GPU it writes Triton kernels, shipped with torch)."""
+    if not config.train.compile:
+        return []
+    if not torch._dynamo.is_dynamo_supported():
+        python = sys.version.split()[0]
+        return [f"train.compile: torch {torch.__version__} cannot compile on Python {python}; set train.compile=false"]
+    if config.scaling.use_gpu:
+        return []
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - InvalidCxxCompiler, or whatever else stops it finding one
+        return [
+            f"train.compile: compiling for CPU needs a C++ compiler and none works on this machine ({e}); "
+            "install g++ (apt-get install g++), set CXX to one, or set train.compile=false"
+        ]
+    return []
 
 
 def check(plan: Plan) -> ModelFlops:
@@ -353,10 +377,14 @@ def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:
     may not change; one line per key."""
     before = {".".join(path): value for path, value in flatten(saved).items()}
     after = config.flat()
+    # A key the saved config lacks was added to the schema after the run started, which then
+    # trained as its default says (train.compile: false).
+    defaults = Config(job=config.job).flat()
+    was = {key: before.get(key, defaults.get(key)) for key in set(before) | set(after)}
     return [
-        f"{key}: was {before.get(key)!r} when the run started, now {after.get(key)!r}; a resumed run keeps it"
-        for key in sorted(set(before) | set(after))
-        if before.get(key) != after.get(key) and not key.startswith(RESUMABLE)
+        f"{key}: was {was[key]!r} when the run started, now {after.get(key)!r}; a resumed run keeps it"
+        for key in sorted(was)
+        if was[key] != after.get(key) and not key.startswith(RESUMABLE)
     ]
 
 

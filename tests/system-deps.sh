@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # System packages the tests need beyond the Python lock file: an OpenSSH server and rsync, for
-# tests/system/test_ray_up.py (`ray up` with provider: local against sshd on loopback). Idempotent: does
-# nothing when both are there; installs them where it can (root with apt-get); else says what to install.
+# tests/system/test_ray_up.py (`ray up` with provider: local against sshd on loopback), and a C++
+# compiler, for tests/unit/test_compile.py (torch.compile's inductor builds its CPU kernels with g++).
+# Idempotent: does nothing when all are there; installs what is missing where it can (root with
+# apt-get); else says what to install.
 #
 #   bash tests/system-deps.sh
 set -euo pipefail
 
-if [[ -x /usr/sbin/sshd ]] && command -v rsync >/dev/null; then
+missing=()
+[[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)
+command -v rsync >/dev/null || missing+=(rsync)
+command -v g++ >/dev/null || missing+=(g++)
+if [[ ${#missing[@]} -eq 0 ]]; then
   exit 0
 fi
 if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-  # A failed install must not stop the other tests: the ray up test then fails (CI) or skips, saying why.
-  if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server rsync; then
+  # A failed install must not stop the other tests: the tests that need the package then fail (CI) or
+  # skip, saying why.
+  if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; then
     exit 0
   fi
-  echo "tests/system-deps.sh: apt-get could not install openssh-server and rsync" >&2
+  echo "tests/system-deps.sh: apt-get could not install ${missing[*]}" >&2
   exit 0
 fi
-echo "tests/system-deps.sh: install openssh-server (for /usr/sbin/sshd) and rsync to run tests/system/test_ray_up.py" >&2
+echo "tests/system-deps.sh: install ${missing[*]} (openssh-server and rsync for tests/system/test_ray_up.py, g++ for tests/unit/test_compile.py)" >&2
 exit 0

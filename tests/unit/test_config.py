@@ -152,6 +152,13 @@ def test_sync_batchnorm_and_fp16_on_cpu_are_refused_with_the_fix():
     assert load_config(TINY, overrides=["ddp.sync_batchnorm=true", "scaling.num_workers=1"]).ddp.sync_batchnorm
 
 
+def test_compile_under_ddp_with_buckets_smaller_than_torchs_first_is_refused():
+    [problem] = problems("train.compile=true", "ddp.bucket_cap_mb=0.5", job=TINY)
+    assert problem.startswith("train.compile=true needs ddp.bucket_cap_mb >= 1 (got 0.5)")
+    assert load_config(TINY, overrides=["train.compile=true", "ddp.bucket_cap_mb=1"]).train.compile
+    assert load_config(TINY, overrides=["train.compile=true", "ddp.bucket_cap_mb=0.5", "scaling.num_workers=1"])
+
+
 def test_cli_help_lists_every_key_with_its_default(capsys):
     from raytrain_ddp.cli import main
 

@@ -1,9 +1,12 @@
 """The update rules the worker loop applies, checked directly: weight decay, LR schedules, gradient
-clipping, and how micro-batches group into optimizer steps."""
+clipping, how micro-batches group into optimizer steps, and the optimizer's fused kernels (and the
+benchmark's torchrun side building the same optimizer)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +96,35 @@ def test_a_summed_loss_steps_by_the_mean_over_all_items_of_the_step_however_micr
     torch.testing.assert_close(one_step(mean, [torch.arange(8)]), whole)  # one batch: the same mean
     with pytest.raises(AssertionError):  # 4 items in the first half, 31 in the second: weighted alike
         torch.testing.assert_close(one_step(mean, [torch.arange(4), torch.arange(4, 8)]), whole)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_optimizer_is_fused_on_cpu_and_a_checkpoint_of_the_default_implementation_resumes_as_it_was(name):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    train = TrainSettings(optimizer=name, weight_decay=0.1)
+    optimizer = build_optimizer(model, train)
+    assert [group["fused"] for group in optimizer.param_groups] == [True, True]
+
+    # A checkpoint written before fused kernels were chosen: the same groups, torch's default
+    # implementation (a loop over the parameters, on CPU).
+    default = [{k: v for k, v in group.items() if k not in ("fused", "foreach")} for group in optimizer.param_groups]
+    older = type(optimizer)(default)
+    model(torch.randn(3, 4)).sum().backward()
+    older.step()
+    updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
+    scheduler = updater.scheduler.state_dict()
+    updater.load_state_dict({"optimizer": older.state_dict(), "scheduler": scheduler, "scaler": {}})
+    updater.optimizer.step()  # loads and steps; the run keeps the implementation it started with
+    assert [group["fused"] for group in updater.optimizer.param_groups] == [None, None]
+
+
+def test_the_benchmarks_torchrun_side_builds_the_services_optimizer():
+    path = Path(__file__).parents[2] / "bench" / "torchrun_ddp.py"
+    spec = importlib.util.spec_from_file_location("torchrun_ddp", path)
+    side_a = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(side_a)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    train = {"optimizer": "adamw", "lr": 3e-4, "weight_decay": 0.1}
+    theirs, ours = side_a.build_optimizer(model, train), build_optimizer(model, TrainSettings(**train))
+    assert type(theirs) is type(ours)
+    assert theirs.state_dict()["param_groups"] == ours.state_dict()["param_groups"]

@@ -1,6 +1,7 @@
 """What pre-flight refuses before any worker starts, on two rows and without Ray: every part of a
 recipe's contract (each refusal names the function, the recipe's file and line, and is a recipe
-error, not a configuration error), and batch arithmetic an epoch cannot satisfy."""
+error, not a configuration error), batch arithmetic an epoch cannot satisfy, train.compile where
+torch cannot compile, and what a resumed run may not change."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_ddp import ConfigError, load_config
+from raytrain_ddp import ConfigError, load_config, with_overrides
 from raytrain_ddp import recipe as recipes
-from raytrain_ddp.preflight import RecipeCheck, RecipeFailed, check_batches, check_recipe, check_score
+from raytrain_ddp.preflight import (
+    RecipeCheck,
+    RecipeFailed,
+    check_batches,
+    check_compile,
+    check_recipe,
+    check_score,
+    resume_conflicts,
+)
 
 RECIPE = """
 import torch
@@ -174,3 +183,29 @@ def test_batch_arithmetic_that_fits_passes(tmp_path):
     (tmp_path / "job.py").write_text(RECIPE)
     config = load_config(str(tmp_path / "job.py"), overrides=["train.batch_size=71", "train.grad_accum_steps=1"])
     assert check_batches(config, 142) == []
+
+
+def test_compiling_where_torch_cannot_is_refused_with_the_fix(tmp_path, monkeypatch):
+    from torch._inductor import config as inductor
+
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = load_config(str(tmp_path / "job.py"), overrides=["train.compile=true"])
+    assert check_compile(config) == []
+    with inductor.patch("cpp.cxx", (None, str(tmp_path / "no-g++"))):  # as if $CXX named no compiler
+        [problem] = check_compile(config)
+        assert check_compile(with_overrides(config, "train.compile=false")) == []
+    assert problem.startswith("train.compile: compiling for CPU needs a C++ compiler and none works on this machine")
+    assert "install g++ (apt-get install g++), set CXX to one, or set train.compile=false" in problem
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)  # as on a Python too new for it
+    [problem] = check_compile(config)
+    assert problem.startswith(f"train.compile: torch {torch.__version__} cannot compile on Python 3.")
+
+
+def test_a_resume_may_not_switch_compile_on_and_a_run_older_than_the_key_resumes(tmp_path):
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = load_config(str(tmp_path / "job.py"))
+    saved = config.to_dict()
+    del saved["train"]["compile"]  # a run started before train.compile existed: it trained eagerly
+    assert resume_conflicts(saved, config) == []
+    [conflict] = resume_conflicts(saved, with_overrides(config, "train.compile=true"))
+    assert conflict == "train.compile: was False when the run started, now True; a resumed run keeps it"
