@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray.train
@@ -35,9 +36,10 @@ class LiveProgress:
     the phase on a terminal. Keeps what the driver needs afterwards: the failures, and why the run
     stopped if the workers stopped it."""
 
-    def __init__(self, console: Console, plan: Plan, timeline: Timeline):
+    def __init__(self, console: Console, plan: Plan, timeline: Timeline, last_epoch: Callable[[], Any] | None = None):
         config = plan.config
         self.timeline = timeline  # the phases of the worker group (ControllerMarks) and of rank 0 (its reports)
+        self.last_epoch = last_epoch  # called once, from the first report after which one epoch is left
         self.console, self.epochs = console, config.train.epochs
         self.score, self.order = config.checkpoint.score_attribute, config.checkpoint.score_order
         self.max_failures, self.latest = config.run.max_failures, plan.resume.checkpoint
@@ -105,6 +107,9 @@ class LiveProgress:
             said = " ".join(sample.get("generated", "").split())
             self.console.print(f"  [dim]generated:[/] {escape(said[:100])}", highlight=False)
         self._status.update(f"Training… epoch {epoch:.4g}/{self.epochs}")
+        if self.last_epoch is not None and self.epochs - 1 <= epoch < self.epochs:
+            self.last_epoch()
+            self.last_epoch = None
 
     def _failed(self, errors: dict[int, str], latest: str | None) -> None:
         what = "; ".join(f"rank {rank}: {error}" for rank, error in errors.items())

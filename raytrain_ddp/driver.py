@@ -98,7 +98,9 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     where the checkpoints are, the file with the workers' full tracebacks (printed too, `verbose`)
     and the command that resumes."""
     config = plan.config
-    progress = ui.LiveProgress(console, plan, timeline.current())
+    # While the last epoch trains, the driver loads what registering the model will take.
+    registers = config.mlflow.register != "never" and plan.recipe.log_model is None
+    progress = ui.LiveProgress(console, plan, timeline.current(), tracking.prepare_model_logging if registers else None)
     try:
         result = _fit(plan, run_id, progress)
         if progress.stopped is not None:

@@ -286,6 +286,22 @@ def _registered(version: Any) -> RegisteredModel:
     return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}", score)
 
 
+def prepare_model_logging() -> threading.Thread:
+    """Load, on a thread, what `log_pytorch_model` takes: torch.export brings in torch's compiler stack
+    (2-3 s of imports on a small machine), which the driver would otherwise wait for after training.
+    Started while the last epoch trains, when the driver has nothing else to do."""
+
+    def export_once() -> None:
+        try:
+            torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
+        except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
+            logger.debug("preparing model logging: %s", e)
+
+    thread = threading.Thread(target=export_once, name="prepare-model-logging", daemon=True)
+    thread.start()
+    return thread
+
+
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:
     """The default: an MLflow PyTorch model (an exported program) with a signature and input example."""
     with torch.no_grad():
