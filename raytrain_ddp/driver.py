@@ -121,7 +121,8 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
         raise (RunInterrupted if interrupted else RunFailed)(
             f"run {config.run.name} {what}\ncheckpoints so far: {plan.run_path}\nresume: {plan.resume_command}"
         ) from e
-    return Trained(epochs, dict(result.metrics), result.best_checkpoints, progress.failures)
+    best = [(checkpoint, timeline.strip(metrics)) for checkpoint, metrics in result.best_checkpoints]
+    return Trained(epochs, timeline.strip(result.metrics or {}), best, progress.failures)
 
 
 def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) -> str:

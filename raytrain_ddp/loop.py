@@ -384,7 +384,7 @@ def _save_and_report(
     checkpoint = None
     if rank == 0:  # a local directory, which Ray deletes once it has uploaded it
         directory = tempfile.mkdtemp(prefix=f"raytrain_ddp-{name}-")
-        ckpt.save(directory, model=model, state=state, config=config, metrics=metrics)
+        ckpt.save(directory, model=model, state=state, config=config, metrics=strip_marks(metrics))
         checkpoint = ray.train.Checkpoint.from_directory(directory)
     ray.train.report(
         metrics,
