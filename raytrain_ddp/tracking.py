@@ -286,10 +286,14 @@ def _registered(version: Any) -> RegisteredModel:
     return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}", score)
 
 
-def prepare_model_logging() -> threading.Thread:
+_preparing: threading.Thread | None = None  # prepare_model_logging's thread, once started
+
+
+def prepare_model_logging() -> None:
     """Load, on a thread, what `log_pytorch_model` takes: torch.export brings in torch's compiler stack
     (2-3 s of imports on a small machine), which the driver would otherwise wait for after training.
     Started while the last epoch trains, when the driver has nothing else to do."""
+    global _preparing
 
     def export_once() -> None:
         try:
@@ -297,13 +301,14 @@ def prepare_model_logging() -> threading.Thread:
         except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
             logger.debug("preparing model logging: %s", e)
 
-    thread = threading.Thread(target=export_once, name="prepare-model-logging", daemon=True)
-    thread.start()
-    return thread
+    _preparing = threading.Thread(target=export_once, name="prepare-model-logging", daemon=True)
+    _preparing.start()
 
 
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:
     """The default: an MLflow PyTorch model (an exported program) with a signature and input example."""
+    if _preparing is not None:  # torch.export keeps global state while it traces: one export at a time
+        _preparing.join()
     with torch.no_grad():
         output = model(torch.from_numpy(input_example)).numpy()
     return mlflow.pytorch.log_model(

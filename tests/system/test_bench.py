@@ -14,7 +14,8 @@ from services import REPO, user_env
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import timeline
 
-SIDES = ["A", "B-cold", "B", "B-async", "B'"]
+# B-cold is B without a Ray running: the path of every command-line test, left out here for time.
+SIDES = ["A", "B", "B-async", "B'"]
 
 
 def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path):
@@ -26,6 +27,8 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
             "--rounds",
             "1",
             "--no-warmup",
+            "--sides",
+            ",".join(SIDES),
             "--out",
             str(tmp_path),
             "--name",
@@ -55,7 +58,7 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
     assert all(f["reported_mfu"] is None and f["mfu"] is None for f in figures.values())
     # The same batches, model, seed and optimizer: the same weights (and the comparison can tell:
     # B' deals its rows out by a DistributedSampler, another order, and ends elsewhere).
-    for side in ("B-cold", "B", "B-async"):
+    for side in ("B", "B-async"):
         assert figures[side]["weights_vs_a"] <= 1e-6, side
     assert figures["B'"]["weights_vs_a"] > 1e-3
     # Async uploads leave complete checkpoints behind.
@@ -66,7 +69,7 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
 
     # Every B side's timeline has every phase of a run (bench/harness.py adds the exit after the last).
     phases = {*timeline.DRIVER_START, *timeline.WORKER_START, timeline.FIRST_STEP, *timeline.TEARDOWN, "exit"}
-    for side in ("B-cold", "B", "B-async", "B'"):
+    for side in ("B", "B-async", "B'"):
         assert set(figures[side]["phases"]) == phases, side
 
     table = (tmp_path / "smoke.md").read_text()

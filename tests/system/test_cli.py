@@ -157,9 +157,14 @@ def _read_until(process: subprocess.Popen, pattern: str) -> re.Match:
 
 
 def _latest_checkpoint(run_dir: Path) -> Path:
+    """What a resume uses: the newest checkpoint A's workers wrote whole (they may write one after the
+    controller that would record it is gone), else Ray's record's latest."""
     import ray.train
 
-    return Path(ray.train.Result.from_path(run_dir).checkpoint.path)  # Ray's record: what a resume uses
+    from raytrain_ddp import checkpoint as ckpt
+
+    latest = Path(ray.train.Result.from_path(run_dir).checkpoint.path).name
+    return run_dir / (ckpt.newest_unrecorded(str(run_dir), latest) or latest)
 
 
 def _still_running(processes: list[psutil.Process], wait_s: float) -> list[str]:
