@@ -100,11 +100,11 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
 class MLflowMetrics(ray.train.UserCallback):
     """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
 
-    Logging happens on a thread of its own, in order. The controller calls this between committing a
-    checkpoint and telling the workers, who wait for the commit (checkpoint.upload=sync), so a call
-    to MLflow here (a second or more for the first one, which imports and connects) would block
-    training. The report that ends the run (the last epoch, or a stop) waits until everything is
-    logged, so the run's metrics are all in MLflow when fit() returns.
+    Logging happens on a thread of its own, in order (it imports mlflow, and connects, on its first
+    report): a call to MLflow here would hold up the controller's polls of the workers, and with
+    them failure detection and the next report's record. The report that ends the run (the last
+    epoch, or a stop) waits until everything is logged, so the run's metrics are all in MLflow when
+    fit() returns.
 
     An exception here would end the run as a controller error, which Ray never retries: a store
     that is unavailable costs a warning and seconds (see BOUNDED_RETRIES), never the training;

@@ -130,8 +130,9 @@ class CheckpointSettings(_Section):
     score_order: Literal["max", "min"] = Field("min", description="whether a larger or smaller score is better")
     upload: Literal["sync", "async"] = Field(
         "sync",
-        description="sync: training waits until each checkpoint is on storage and committed; async: rank 0 "
-        "writes it locally and training goes on while it uploads (a failure meanwhile resumes from the one before)",
+        description="sync: training waits until each checkpoint is whole on storage (a restart resumes from it "
+        "even if Ray had not recorded it yet); async: rank 0 writes it locally and training goes on while it "
+        "uploads (a failure meanwhile resumes from the one before)",
     )
 
 
@@ -151,7 +152,7 @@ class RunSettings(_Section):
         0.5,
         gt=0,
         description="how often Ray Train's controller polls the workers: the delay of progress lines, "
-        "failure detection and each checkpoint's commit, which the workers wait for (Ray's default: 2)",
+        "failure detection and each checkpoint's record (the workers do not wait for it) (Ray's default: 2)",
     )
 
     @model_validator(mode="after")
