@@ -100,11 +100,11 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
 class MLflowMetrics(ray.train.UserCallback):
     """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
 
-    Logging happens on a thread of its own, in order (it imports mlflow, and connects, on its first
-    report): a call to MLflow here would hold up the controller's polls of the workers, and with
-    them failure detection and the next report's record. The report that ends the run (the last
-    epoch, or a stop) waits until everything is logged, so the run's metrics are all in MLflow when
-    fit() returns.
+    Logging happens on a thread of its own, in order: a call to MLflow here would hold up the
+    controller's polls of the workers, and with them failure detection and the next report's record.
+    The thread starts when the controller unpickles this callback, before it starts the workers, and
+    imports mlflow and connects while they start. The report that ends the run (the last epoch, or a
+    stop) waits until everything is logged, so the run's metrics are all in MLflow when fit() returns.
 
     An exception here would end the run as a controller error, which Ray never retries: a store
     that is unavailable costs a warning and seconds (see BOUNDED_RETRIES), never the training;
@@ -120,9 +120,7 @@ class MLflowMetrics(ray.train.UserCallback):
         step = int(reported["step"])  # the optimizer step: the x-axis of every metric (epoch is a metric)
         batch = [(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
         if self._logger is None:
-            for key, value in BOUNDED_RETRIES.items():  # the controller's own process
-                os.environ.setdefault(key, value)
-            self._logger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+            self._start()
         logged = self._logger.submit(self._log, step, batch, reported.get(GENERATED))
         if reported["epoch"] >= self.epochs or STOPPED in reported:
             logged.result()
@@ -131,9 +129,26 @@ class MLflowMetrics(ray.train.UserCallback):
         if self._logger is not None:  # the run may end here: what was reported is logged first
             self._logger.submit(lambda: None).result()
 
+    def _start(self) -> None:
+        for key, value in BOUNDED_RETRIES.items():  # the controller's own process
+            os.environ.setdefault(key, value)
+        self._logger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+        self._logger.submit(self._client)  # mlflow imported, the store opened: before the first report
+
+    def _client(self):
+        try:
+            from mlflow.tracking import MlflowClient  # here, on the logging thread: see the module's docstring
+
+            client = MlflowClient(self.tracking_uri)
+            client.get_run(self.run_id)
+            return client
+        except Exception as e:  # noqa: BLE001 - a store down now may be back at the first report
+            logger.warning("MLflow: not reachable at the start (%s); each report will try again", e)
+            return None
+
     def _log(self, step: int, batch: list[tuple], generated: list[dict[str, str]] | None) -> None:
         try:
-            from mlflow.entities import Metric  # here, on the logging thread: see the module's docstring
+            from mlflow.entities import Metric
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(self.tracking_uri)
@@ -146,6 +161,11 @@ class MLflowMetrics(ray.train.UserCallback):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_logger": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled on the controller, which does so before it starts the workers: start logging now."""
+        self.__dict__.update(state)
+        self._start()
 
 
 def one_line(error: BaseException) -> str:
