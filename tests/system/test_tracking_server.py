@@ -57,11 +57,19 @@ def test_server_gone_after_training_then_register_later_once(server, workspace, 
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_until(
-        lambda: (run_path / "epoch_0003" / "manifest.json").exists() or driver.poll() is not None,
-        600,
-        "last checkpoint",
-    )
+    for key, value in server.credentials.items():
+        monkeypatch.setenv(key, value)
+    client = server.client()
+
+    def trained() -> bool:
+        """The last checkpoint has landed, and the first two epochs' metrics are in MLflow (logged
+        live, by the controller, on a thread that may lag a report behind training)."""
+        if not (run_path / "epoch_0003" / "manifest.json").exists():
+            return False
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name='away'")
+        return any(2 in [m.value for m in client.get_metric_history(r.info.run_id, "epoch")] for r in runs)
+
+    wait_until(lambda: trained() or driver.poll() is not None, 600, "the last checkpoint")
     server.stop()
     out, err = driver.communicate(timeout=600)
 
@@ -81,9 +89,6 @@ def test_server_gone_after_training_then_register_later_once(server, workspace, 
     assert re.search(rf"{re.escape(str(run_path))}/epoch_000\d is tiny version 1", first.stdout)
     assert "is tiny version 1" in again.stdout
 
-    for key, value in server.credentials.items():
-        monkeypatch.setenv(key, value)
-    client = server.client()
     [version] = client.search_model_versions("name = 'tiny'")
     training = client.get_run(version.run_id)
     assert training.info.status == "FINISHED" and training.info.run_name == "away"
