@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import psutil
@@ -119,12 +118,6 @@ class WorkerMarks:
     def pop(self) -> dict[str, dict[str, float]]:
         pending, self.pending = self.pending, {}
         return {MARKS: pending} if pending else {}
-
-
-def missing(timeline: Timeline, expected: Iterable[str]) -> list[str]:
-    """The expected phases the timeline has no mark for."""
-    have = {phase for phase, _ in timeline.marks}
-    return [phase for phase in expected if phase not in have]
 
 
 def strip(metrics: dict[str, Any]) -> dict[str, Any]:
