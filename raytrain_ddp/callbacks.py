@@ -2,8 +2,9 @@
 the worker group's phases on the driver's queue; `MLflowMetrics` logs each report's metrics to MLflow.
 
 Kept light to import: the controller imports this module (to unpickle the callbacks) before it
-starts a worker, so an import here delays every run's first step. mlflow (a second or two of
-imports) loads on MLflowMetrics' logging thread, once the workers are training.
+starts a worker, so an import here delays every run's first step: no torch (a second and more), and
+mlflow (a second or two) loads on MLflowMetrics' logging thread, on the controller only. (Ray Train
+also sends the run's callbacks to every worker with its run context, where they do nothing.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.queue import Queue
 
-from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.metrics import GENERATED, STOPPED
 
 GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
@@ -52,6 +52,8 @@ class ProgressRelay(ray.train.UserCallback):
         errors = {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}
         run = run_context.run_config
         try:  # a checkpoint reported just before the failure, not recorded yet, is where the restart resumes
+            from raytrain_ddp import checkpoint as ckpt  # here: it imports torch, which the controller needs not
+
             resumes = ckpt.newest_unrecorded(f"{run.storage_path}/{run.name}", self.latest) or self.latest
         except Exception:  # noqa: BLE001 - never end the run for the display's sake
             resumes = self.latest
@@ -163,9 +165,19 @@ class MLflowMetrics(ray.train.UserCallback):
         return {**self.__dict__, "_logger": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickled on the controller, which does so before it starts the workers: start logging now."""
+        """Unpickled on the controller, which does so before it starts the workers: start logging now
+        (mlflow imported, the store opened, while the workers start)."""
         self.__dict__.update(state)
-        self._start()
+        if _on_the_controller():  # Ray Train unpickles it on every worker too, which must not log
+            self._start()
+
+
+def _on_the_controller() -> bool:
+    """Whether this process is Ray Train's controller (an actor of class TrainController)."""
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return False
+    return context.current_actor._ray_actor_creation_function_descriptor.class_name == "TrainController"
 
 
 def one_line(error: BaseException) -> str:

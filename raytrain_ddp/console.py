@@ -7,6 +7,7 @@ controller callback) puts each on a Ray queue that `LiveProgress` drains on the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from raytrain_ddp.plan import Plan
 
 logger = logging.getLogger(__name__)
+END = "end"  # put by the driver once fit() has returned
 
 
 class LiveProgress:
@@ -64,6 +66,8 @@ class LiveProgress:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        with contextlib.suppress(Exception):  # behind every event already put: the drain ends at once
+            self.queue.put((END,), timeout=5)
         self._thread.join()
         self._status.stop()
         ray.kill(self.queue.actor)
@@ -76,6 +80,8 @@ class LiveProgress:
                 if self._stop.is_set():
                     return
                 continue
+            if kind == END:
+                return
             if kind == "marks":
                 self.timeline.add(*event)
             elif kind == "report":

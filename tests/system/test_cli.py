@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from services import cli as raytrain_ddp
 from services import user_env
 
@@ -23,11 +24,17 @@ CLI = str(Path(sys.executable).parent / "raytrain-ddp")
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
 
-def test_the_demo_trains_registers_and_prints_a_summary(tmp_path):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """`make demo` minus the install: the flagship job on embedded defaults in an empty directory."""
+    directory = tmp_path_factory.mktemp("demo")
+    return directory, raytrain_ddp("train", "digits", cwd=directory)
+
+
+def test_the_demo_trains_registers_and_prints_a_summary(demo):
     from mlflow.tracking import MlflowClient
 
-    result = raytrain_ddp("train", "digits", cwd=tmp_path)
+    tmp_path, result = demo
     out = result.stdout
 
     assert result.returncode == 0, result.stderr[-3000:]
@@ -82,6 +89,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
         text=True,
         start_new_session=True,
     )
+    _read_until(a, rf"new run \(no checkpoint of a run shared in {re.escape(str(tmp_path))}/runs\)")
     _read_until(a, r"^epoch +2/40 ")
 
     started = time.monotonic()
@@ -183,23 +191,22 @@ def _still_running(processes: list[psutil.Process], wait_s: float) -> list[str]:
         time.sleep(0.5)
 
 
-def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(tmp_path):
-    """A run.name with nothing to resume says "new run" and where it looked; the same command once the
-    run has finished answers from the run's record, without Ray, with the command that trains it longer."""
-
-    command = ["train", TINY, "run.name=done", "train.epochs=1", "scaling.resources_per_worker={CPU: 0.5}"]
-    first = raytrain_ddp(*command, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert f"new run (no checkpoint of a run done in {tmp_path}/runs)" in first.stdout
+def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(demo):
+    """The demo's command again, naming its run: answered from the run's record, without Ray, with the
+    command that trains it longer."""
+    tmp_path, trained = demo
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    name = re.search(r"run\.name=(digits-\S+)", trained.stdout).group(1)
+    command = ["train", "digits", f"run.name={name}"]
 
     started = time.monotonic()
     again = raytrain_ddp(*command, cwd=tmp_path)
     took = time.monotonic() - started
 
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "done has already finished training (1 epoch) and its model is registered: nothing to do" in again.stdout
-    assert f"To train it longer: raytrain-ddp train {TINY} run.name=done train.epochs=N with N > 1" in again.stdout
-    assert "registered model    tiny  version 1" in again.stdout
+    assert f"{name} has already finished training (6 epochs) and its model is registered: nothing to do" in again.stdout
+    assert f"To train it longer: raytrain-ddp train digits run.name={name} train.epochs=N with N > 6" in again.stdout
+    assert re.search(r"registered model +digits-resnet18  version 1", again.stdout)
     assert again.stderr == ""
     assert took < 30  # was 76 s: Ray started, the workers trained nothing, registration found its version
 
@@ -209,7 +216,7 @@ def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(tmp_path)
 import io, json, ray
 from rich.console import Console
 from raytrain_ddp import load_config, run
-summary = run(load_config({TINY!r}, overrides={command[2:]!r}), console=Console(file=io.StringIO()))
+summary = run(load_config({command[1]!r}, overrides={command[2:]!r}), console=Console(file=io.StringIO()))
 print(json.dumps([summary.already_finished, summary.attempts, summary.model.version, summary.best_checkpoint,
                   ray.is_initialized()]))
 """
@@ -218,4 +225,4 @@ print(json.dumps([summary.already_finished, summary.attempts, summary.model.vers
     )
     assert python.returncode == 0, python.stderr[-3000:]
     answer = json.loads(python.stdout.splitlines()[-1])
-    assert answer == [True, 0, 1, f"{tmp_path}/runs/done/epoch_0001", False]
+    assert answer == [True, 0, 1, str(re.search(r"best checkpoint +(\S+)", trained.stdout).group(1)), False]
