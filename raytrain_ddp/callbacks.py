@@ -174,6 +174,8 @@ class MLflowMetrics(ray.train.UserCallback):
 
 def _on_the_controller() -> bool:
     """Whether this process is Ray Train's controller (an actor of class TrainController)."""
+    if not ray.is_initialized():  # (asking for the runtime context would start a Ray)
+        return False
     context = ray.get_runtime_context()
     if context.get_actor_id() is None:
         return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,23 @@ def pytest_collection_modifyitems(items):
 
 @dataclass(frozen=True)
 class Workspace:
-    """Where a test's runs write: its own storage path and its own sqlite MLflow store."""
+    """Where a test's runs write: its own storage path and its own sqlite MLflow store. In the system
+    tier the store starts as a copy of an empty one (`store`), so MLflow creates its schema once per
+    session rather than once per test (1.6 s each on 2 cores)."""
 
     root: Path
+    store: Path | None = None
+
+    def __post_init__(self):
+        if self.store is not None:
+            shutil.copyfile(self.store, self.root / "mlflow.db")
+
+    def untouched(self) -> bool:
+        """Nothing written: no run directory, and the MLflow store as it was given (or none at all)."""
+        db = self.root / "mlflow.db"
+        if self.storage.exists():
+            return False
+        return db.read_bytes() == self.store.read_bytes() if self.store is not None else not db.exists()
 
     @property
     def storage(self) -> Path:
@@ -71,13 +86,28 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture
-def workspace(tmp_path: Path) -> Workspace:
-    return Workspace(tmp_path)
+def workspace(tmp_path: Path, request) -> Workspace:
+    return Workspace(tmp_path, _store(request))
 
 
 @pytest.fixture(scope="module")
-def module_workspace(tmp_path_factory) -> Workspace:
-    return Workspace(tmp_path_factory.mktemp("workspace"))
+def module_workspace(tmp_path_factory, request) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("workspace"), _store(request))
+
+
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory) -> Path:
+    """An empty MLflow sqlite store, its schema created by MLflow, once for the session."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("empty-store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def _store(request) -> Path | None:
+    """The system tier's workspaces start with a copy of the empty store; the unit tier's with none."""
+    return request.getfixturevalue("empty_store") if request.path.parent.name == "system" else None
 
 
 @pytest.fixture

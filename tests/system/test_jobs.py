@@ -33,7 +33,7 @@ def test_a_dataset_path_without_the_data_is_refused_before_anything_is_written(r
             match=rf"recipe {job}: build_datasets \(.*line \d+: .*\) failed: FileNotFoundError: .*{message}",
         ):
             run(load_config(job, overrides=workspace.overrides(override)))
-    assert not workspace.storage.exists() and not (workspace.root / "mlflow.db").exists()
+    assert workspace.untouched()
 
 
 def _train(workspace, job: str, *overrides: str):

@@ -99,6 +99,29 @@ def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(
     assert summary.model.uri == "models:/digits-resnet18/1"
 
 
+def test_only_the_controller_logs_to_mlflow(ray_session):
+    """Ray Train sends the run's callbacks to every worker too (with its run context): unpickled
+    anywhere but on its controller (a worker, the driver), MLflowMetrics starts no logging thread, so
+    no worker imports mlflow or connects to the store. (On the controller it does: the live metric
+    history above.)"""
+    import pickle
+
+    import ray
+
+    from raytrain_ddp.callbacks import MLflowMetrics
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def logs(self, callback: MLflowMetrics) -> bool:  # Ray unpickles the argument in this actor
+            return callback._logger is not None
+
+    callback = MLflowMetrics("sqlite:///unused.db", "run-id", epochs=1)
+    worker = Worker.remote()
+    assert ray.get(worker.logs.remote(callback)) is False
+    assert pickle.loads(pickle.dumps(callback))._logger is None
+    ray.kill(worker)
+
+
 def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
     import mlflow
 
@@ -146,8 +169,7 @@ def test_a_score_metric_the_loop_never_reports_is_refused_before_training(ray_se
     config = load_config("digits", overrides=workspace.overrides("checkpoint.score_attribute=val_f1"))
     with pytest.raises(ConfigError, match=r"'val_f1' is not a reported metric; choose one of: .*val_accuracy"):
         run(config)
-    assert not workspace.storage.exists()
-    assert not (workspace.root / "mlflow.db").exists()
+    assert workspace.untouched()
 
 
 def _metric_history(summary, key: str) -> dict[int, float]:

@@ -116,4 +116,4 @@ except ConfigError as e:
     seconds, message = result.stdout.split(" ", 1)
     assert f"RAY_ADDRESS={address}: no Ray cluster answers there" in message, result.stdout + result.stderr
     assert float(seconds) < 10
-    assert not workspace.storage.exists() and not (workspace.root / "mlflow.db").exists()
+    assert workspace.untouched()
