@@ -55,12 +55,14 @@ class Workspace:
         return f"sqlite:///{self.root / 'mlflow.db'}"
 
     def overrides(self, *extra: str) -> list[str]:
-        # Half a CPU per worker leaves Ray Data a core on a 2-core machine.
+        # Half a CPU per worker leaves Ray Data a core on a 2-core machine. The controller polls the
+        # workers every 0.2 s (0.5 by default): each run ends, and each failure is seen, sooner.
         return [
             f"run.storage_path={self.storage}",
             f"mlflow.tracking_uri={self.tracking_uri}",
             "scaling.num_workers=2",
             "scaling.resources_per_worker={CPU: 0.5}",
+            "run.controller_poll_s=0.2",
             *extra,
         ]
 

@@ -386,8 +386,7 @@ class LoopbackCluster:
         )
 
     def stop(self) -> None:
-        for name in ("worker", "head"):
-            kill_processes_with(str(self.root / name))
+        kill_processes_with(str(self.root))  # both nodes at once: one grace period, not one each
 
     def _run(self, command: list[str], env: dict[str, str]) -> None:
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
