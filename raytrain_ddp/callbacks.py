@@ -173,13 +173,15 @@ class MLflowMetrics(ray.train.UserCallback):
 
 
 def _on_the_controller() -> bool:
-    """Whether this process is Ray Train's controller (an actor of class TrainController)."""
+    """Whether this process is Ray Train's controller (an actor of class TrainController). Where Ray
+    no longer says so this way, False: the controller then starts logging at the first report."""
     if not ray.is_initialized():  # (asking for the runtime context would start a Ray)
         return False
     context = ray.get_runtime_context()
     if context.get_actor_id() is None:
         return False
-    return context.current_actor._ray_actor_creation_function_descriptor.class_name == "TrainController"
+    descriptor = getattr(context.current_actor, "_ray_actor_creation_function_descriptor", None)
+    return getattr(descriptor, "class_name", None) == "TrainController"
 
 
 def one_line(error: BaseException) -> str:
