@@ -55,12 +55,17 @@ def register(
     console = console or Console(soft_wrap=True)
     with session.bounded_mlflow_retries():
         standing = planning.stand(planning.finished_config(run_path, tracking_uri))
-        plan = planning.make(standing, verbose=verbose, console=console)
-        with lease.Lease(plan.run_path):
-            run_id = tracking.start_run(plan.config, plan.run_path)
-            checkpoints = ckpt.run_record(plan.run_path).best_checkpoints
-            registration = register_best(plan, checkpoints, run_id, console, policy="always")
-    model, config = registration.model, plan.config
+        config = standing.config
+        registration = decided_already(standing)  # registered before: answered from the registry, no Ray
+        if registration is None or registration.model is None:
+            plan = planning.make(standing, verbose=verbose, console=console)
+            with lease.Lease(plan.run_path):
+                run_id = tracking.start_run(plan.config, plan.run_path)
+                checkpoints = ckpt.run_record(plan.run_path).best_checkpoints
+                registration = register_best(plan, checkpoints, run_id, console, policy="always")
+        else:
+            run_id = tracking.find_run(config, standing.run_path)
+    model = registration.model
     note = f" ({registration.note})" if registration.note else ""
     console.print(
         f"{config.run.name}: {registration.checkpoint} is [bold]{model.name}[/] version {model.version} ({model.uri})"
@@ -80,18 +85,26 @@ def register_best(
     which better ones were damaged, and mark the MLflow run FINISHED. Raises RegistrationFailed, with
     the command that registers later, if MLflow fails on the way (the MLflow run is then marked FAILED)."""
     config = plan.config
+    if (unreachable := tracking.check_server(config.mlflow.tracking_uri)) is not None:
+        # Asked once, without retries: each call below would retry for seconds and fail the same way.
+        raise RegistrationFailed(_not_registered(plan, unreachable))
     try:
         with console.status("Registering the best checkpoint's model in MLflow…"):
             registration = _register(plan, checkpoints, run_id, console, policy)
         tracking.finish_run(config, run_id, "FINISHED")
     except Exception as e:
-        tracking.end_failed_run(config, run_id, "FAILED")
-        raise RegistrationFailed(
-            f"run {config.run.name} finished training ({config.train.epochs} epochs), but its model was not "
-            f"registered: {one_line(e)}\ncheckpoints: {plan.run_path}\n"
-            f"register it later: {shlex.join(['raytrain-ddp', 'register', plan.run_path])}"
-        ) from e
+        if tracking.check_server(config.mlflow.tracking_uri) is None:  # else marking it would fail the same way
+            tracking.end_failed_run(config, run_id, "FAILED")
+        raise RegistrationFailed(_not_registered(plan, one_line(e))) from e
     return registration
+
+
+def _not_registered(plan: Plan, why: str) -> str:
+    return (
+        f"run {plan.config.run.name} finished training ({plan.config.train.epochs} epochs), but its model was not "
+        f"registered: {why}\ncheckpoints: {plan.run_path}\n"
+        f"register it later: {shlex.join(['raytrain-ddp', 'register', plan.run_path])}"
+    )
 
 
 def decided_already(standing: planning.Standing) -> Registration | None:
