@@ -79,6 +79,35 @@ class TrainSettings(_Section):
     )
 
 
+class DataSettings(_Section):
+    """Streamed datasets (raytrain_ddp.stream): how each worker's reading pipeline may use the cluster,
+    and what it does with a file it cannot read."""
+
+    max_bad_files: int = Field(
+        0,
+        ge=0,
+        description="unreadable files (a damaged image or Parquet file, a missing column) a run may skip, "
+        "counted in every report; 0 = the first one stops the run, naming it",
+    )
+    object_store_mb: float | None = Field(
+        None,
+        gt=0,
+        description="object store memory each worker's reading pipeline may fill before Ray Data holds back "
+        "reading; null = half the cluster's object store, shared by the workers",
+    )
+    cpus: float | None = Field(
+        None, gt=0, description="CPUs each worker's reading pipeline may use at once; null = any free in the cluster"
+    )
+    task_rows: int = Field(
+        256, ge=1, description="rows each reading task reads, decodes and transforms (images: files)"
+    )
+    label_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="node labels the reading tasks need, e.g. {role: data} for nodes started with "
+        '--labels=\'{"role": "data"}\'; {} = any node',
+    )
+
+
 class ScalingSettings(_Section):
     """Ray Train's ScalingConfig."""
 
@@ -216,6 +245,7 @@ class Config(_Section):
     )
     train: TrainSettings = Field(default_factory=TrainSettings)
     scaling: ScalingSettings = Field(default_factory=ScalingSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
     ddp: DDPSettings = Field(default_factory=DDPSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     run: RunSettings = Field(default_factory=RunSettings)

@@ -19,6 +19,7 @@ from ray.util.queue import Empty, Queue
 from rich.console import Console
 from rich.markup import escape
 
+from raytrain_ddp import stream
 from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import rank
 from raytrain_ddp.flops import si
@@ -147,6 +148,9 @@ def show_plan(console: Console, plan: Plan) -> None:
     )
     for skipped in resume.skipped:
         console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(skipped))}")
+    for name, dataset in plan.datasets.items():
+        for skipped in dataset.manifest.skipped if isinstance(dataset, stream.Stream) else ():
+            console.print(f"[yellow]skipped unreadable {name} file[/] {escape(skipped)}")
     if config.scaling.use_gpu:  # where there is MFU to report
         console.print(f"[dim]{escape(plan.flops.describe())}[/]", highlight=False)
 

@@ -1,5 +1,6 @@
 """The data a worker trains on: a recipe's datasets, how they are split across ranks, and how a rank
-turns its share into torch batches. A recipe returns either Ray Datasets or torch Datasets.
+turns its share into torch batches. A recipe returns Ray Datasets, torch Datasets, or streams of files
+(`raytrain_ddp.stream`: read while training goes, never materialized; that module says how).
 
 Ray Datasets (the usual way; read and preprocessed by Ray Data, streamed to the workers):
 - `train` is split across the workers (`streaming_split(equal=True)`: the same number of rows each, up
@@ -19,6 +20,7 @@ the device, with pinned memory and non-blocking copies on a GPU.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -33,11 +35,12 @@ from ray.data.dataset import MaterializedDataset
 from ray.train import DataConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
-from raytrain_ddp.config import TrainSettings
+from raytrain_ddp import stream
+from raytrain_ddp.config import DataSettings, TrainSettings
 
 DATASETS = ("train", "val")
 FITTED = "fitted"  # build_datasets' optional third entry: statistics of the training rows, for build_model
-SHUFFLE, WORKER_RNG, LOADER = 0, 1, 2  # the purposes derive_seed serves
+SHUFFLE, WORKER_RNG, LOADER, FILE_ORDER = 0, 1, 2, 3  # the purposes derive_seed serves
 # Rows a worker takes from Ray Data at a time (at least one batch), then cuts into training batches on
 # the device: Ray Data's iterator threads cost about the same per batch whatever its size, and on a
 # 2-core machine they took CPU from training (README: Benchmarks). A local shuffle buffer smaller than
@@ -46,8 +49,9 @@ FETCH_ROWS = 512
 
 
 def check_datasets(datasets: Any, job: str) -> tuple[dict[str, ray.data.Dataset | Dataset], Any]:
-    """build_datasets must return {"train": ..., "val": ...}: both Ray Datasets or both map-style
-    torch Datasets; and may add "fitted" (what it learnt from the training rows, for build_model).
+    """build_datasets must return {"train": ..., "val": ...}: both Ray Datasets, both map-style torch
+    Datasets or both streams; and may add "fitted" (what it learnt from the training rows, for
+    build_model).
     Returns the datasets and what was fitted (None if nothing)."""
     if not isinstance(datasets, Mapping) or set(datasets) - {FITTED} != set(DATASETS):
         got = sorted(datasets) if isinstance(datasets, Mapping) else type(datasets).__name__
@@ -61,8 +65,8 @@ def check_datasets(datasets: Any, job: str) -> tuple[dict[str, ray.data.Dataset 
     if None in kinds.values() or len(set(kinds.values())) != 1:
         got = ", ".join(f"{name}: {type(ds).__name__}" for name, ds in datasets.items())
         raise TypeError(
-            f"job '{job}': build_datasets must return two ray.data.Dataset or two map-style torch "
-            f"Datasets (with __len__ and __getitem__), got {got}"
+            f"job '{job}': build_datasets must return two ray.data.Dataset, two map-style torch "
+            f"Datasets (with __len__ and __getitem__) or two raytrain_ddp.stream datasets, got {got}"
         )
     return datasets, fitted
 
@@ -72,6 +76,8 @@ def _kind(dataset: Any) -> str | None:
         return "ray"
     if isinstance(dataset, Dataset) and hasattr(dataset, "__len__"):
         return "torch"
+    if isinstance(dataset, stream.Stream):
+        return "stream"
     return None
 
 
@@ -79,12 +85,31 @@ def is_ray(datasets: Mapping[str, Any]) -> bool:
     return isinstance(datasets["train"], ray.data.Dataset)
 
 
-def num_rows(dataset: ray.data.Dataset | Dataset) -> int:
+def is_stream(datasets: Mapping[str, Any]) -> bool:
+    return isinstance(datasets["train"], stream.Stream)
+
+
+def listed(datasets: Mapping[str, Any]) -> dict[str, str]:
+    """For streams, what listing found, as MLflow params: files per dataset, and the unreadable ones
+    skipped (data.max_bad_files)."""
+    if not is_stream(datasets):
+        return {}
+    found = {f"data.{name}_files": str(len(s.manifest.files)) for name, s in datasets.items()}
+    return found | {"data.skipped_files": str(sum(len(s.manifest.skipped) for s in datasets.values()))}
+
+
+def num_rows(dataset: ray.data.Dataset | Dataset | stream.Stream) -> int:
+    if isinstance(dataset, stream.Stream):
+        return dataset.manifest.total
     return dataset.count() if isinstance(dataset, ray.data.Dataset) else len(dataset)
 
 
-def example_batch(dataset: ray.data.Dataset | Dataset, n: int = 2) -> dict[str, torch.Tensor]:
+def example_batch(
+    dataset: ray.data.Dataset | Dataset | stream.Stream, seed: int, n: int = 2
+) -> dict[str, torch.Tensor]:
     """The first `n` rows as a CPU batch: what the pre-flight check and the MLflow signature use."""
+    if isinstance(dataset, stream.Stream):
+        return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in dataset.example(n, seed).items()}
     if isinstance(dataset, ray.data.Dataset):
         batch = _first_rows(dataset, n) or dataset.take_batch(n, batch_format="numpy")
         return {k: torch.from_numpy(np.array(v, copy=True)) for k, v in batch.items()}
@@ -141,21 +166,57 @@ def derive_seed(seed: int, *keys: int) -> int:
 
 
 class WorkerData:
-    """This rank's batches, from the Ray Data shards or from the torch Datasets it was given."""
+    """This rank's batches: from the Ray Data shards, or from the torch Datasets or streams shipped
+    with the loop (`shipped`)."""
 
-    def __init__(self, torch_datasets: Mapping[str, Dataset] | None, train: TrainSettings, seed: int):
+    def __init__(
+        self,
+        shipped: Mapping[str, Dataset | stream.Stream] | None,
+        train: TrainSettings,
+        data: DataSettings,
+        seed: int,
+    ):
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.device = ray.train.torch.get_device()
         self.train, self.seed = train, seed
-        if torch_datasets is None:
+        self.loaders = self.streams = None
+        if shipped is None:
             self.train_shard = ray.train.get_dataset_shard("train")
             self.val_shard = ray.train.get_dataset_shard("val")
-            self.loaders = None
+        elif is_stream(shipped):
+            share = {"rank": self.rank, "world_size": self.world_size, "seed": seed, "data": data}
+            self.streams = {
+                "train": stream.Pipeline(
+                    shipped["train"],
+                    batch_size=train.batch_size,
+                    shuffle=train.shuffle,
+                    shuffle_rows=train.local_shuffle_buffer_size,
+                    drop_last=train.drop_last,
+                    **share,
+                ),
+                "val": stream.Pipeline(shipped["val"], batch_size=train.eval_batch_size, equal=False, **share),
+            }
         else:
-            self.loaders = self._loaders(torch_datasets)
+            self.loaders = self._loaders(shipped)
 
-    def train_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+    def stream_read(self) -> tuple[int, set[str]]:
+        """A stream's training rows this rank read in the epoch (since the epoch's start, or since the
+        point it resumed from), and the files of rows it skipped as unreadable."""
+        return self.streams["train"].rows_read, self.streams["train"].bad_files
+
+    def train_batches(self, epoch: int, first: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of `epoch` from batch `first` on. A stream starts reading there;
+        the other paths read the epoch from its start and pass over the first `first` batches."""
+        if self.streams is not None:
+            return self._on_device(self.streams["train"].batches(epoch, first))
+        return itertools.islice(self._train_batches(epoch), first, None)
+
+    def _on_device(self, batches: Iterator[dict[str, np.ndarray]]) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in batches:
+            yield {name: torch.from_numpy(column).to(self.device, non_blocking=True) for name, column in batch.items()}
+
+    def _train_batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         t = self.train
         if self.loaders is not None:
             loader, sampler, generator = self.loaders["train"]
@@ -173,6 +234,9 @@ class WorkerData:
         return split_batches(fetched, t.batch_size, t.drop_last)
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.streams is not None:
+            yield from self._on_device(self.streams["val"].batches(0))
+            return
         if self.loaders is not None:
             yield from self.loaders["val"]
             return

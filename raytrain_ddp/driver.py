@@ -61,7 +61,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         timeline.mark("pre-flight")
         ui.show_plan(console, plan)
         with lease.Lease(plan.run_path):
-            run_id = tracking.start_run(plan.config, plan.run_path, plan.flops.params())
+            run_id = tracking.start_run(plan.config, plan.run_path, plan.flops.params() | data.listed(plan.datasets))
             timeline.mark("mlflow")
             trained = fit(plan, run_id, console, verbose)
             timeline.mark("fit returned")
@@ -166,7 +166,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
             "batches_per_epoch": plan.batches_per_epoch,
             "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
             "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
-            "torch_datasets": None if ray_data else plan.datasets,  # shipped to every worker with the loop
+            "shipped_datasets": None if ray_data else plan.datasets,  # torch Datasets or streams, with the loop
         },
         scaling_config=ScalingConfig(
             num_workers=config.scaling.num_workers,

@@ -14,7 +14,6 @@ already trained. Restarted after a failure, the result equals that of an uninter
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import random
@@ -82,7 +81,7 @@ class Blocked:
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     config = Config.from_dict(loop_config["config"])
     recipe: Recipe = loop_config["recipe"]
-    worker_data = data.WorkerData(loop_config["torch_datasets"], config.train, config.seed)
+    worker_data = data.WorkerData(loop_config["shipped_datasets"], config.train, config.data, config.seed)
     rank, device = worker_data.rank, worker_data.device
     marks = WorkerMarks(rank)
     marks.mark("loop")
@@ -126,10 +125,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     for epoch in range(start.epoch, config.train.epochs):
         resumed = epoch == start.epoch and start.batches > 0
         meter = EpochMeter(**start.meters[rank]) if resumed else EpochMeter()
-        first = start.batches if resumed else 0  # a resumed epoch skips the batches it already trained
+        first = start.batches if resumed else 0  # a resumed epoch starts at the first batch it did not train
         ddp_model.train()
-        epoch_batches = itertools.islice(worker_data.train_batches(epoch), first, None)
-        for i, batch in enumerate(meter.timed(epoch_batches), start=first):
+        for i, batch in enumerate(meter.timed(worker_data.train_batches(epoch, first)), start=first):
             marks.once("first batch")
             loss = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
             summed, rows = isinstance(loss, tuple), _rows(batch)
@@ -232,7 +230,11 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
         }
         if recipe.generate_samples is not None and worker.rank == 0:  # rank 0's report is the one logged
             metrics[GENERATED] = _generate(model, recipe, worker.example, worker.data.device)
-        problem = _stop_reason(metrics, config.checkpoint.score_attribute)
+        bad_files = None
+        if worker.data.streams is not None:
+            read, bad_files = _stream_read(worker)
+            metrics |= {"data_rows_read": read, "data_bad_files": len(bad_files)}
+        problem = _stop_reason(metrics, config.checkpoint.score_attribute) or _too_many_bad(bad_files, config)
         if problem is not None:
             ray.train.report({**metrics, STOPPED: problem})
             return None
@@ -431,6 +433,23 @@ def _stop_reason(metrics: dict[str, Any], score: str) -> str | None:
     if not math.isfinite(metrics[score]):
         return f"the score {score} is {metrics[score]} {where}: a checkpoint cannot be ranked by it"
     return None
+
+
+def _stream_read(worker: Worker) -> tuple[int, list[str]]:
+    """A stream's training rows the ranks read in this epoch (since its start, or the point it resumed
+    from: a resumed epoch does not read again what it trained), and the files they skipped as unreadable."""
+    parts = all_gather(worker.data.stream_read())
+    return sum(read for read, _ in parts), sorted(set().union(*(bad for _, bad in parts)))
+
+
+def _too_many_bad(bad_files: list[str] | None, config: Config) -> str | None:
+    if not bad_files or len(bad_files) <= config.data.max_bad_files:
+        return None
+    shown = ", ".join(bad_files[:5]) + (" ..." if len(bad_files) > 5 else "")
+    return (
+        f"{len(bad_files)} unreadable file(s) skipped this epoch, more than data.max_bad_files="
+        f"{config.data.max_bad_files}: {shown}; repair or remove them, or raise data.max_bad_files"
+    )
 
 
 def _seed_everything(seed: int) -> None:

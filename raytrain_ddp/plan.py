@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data, layering, preflight, ray_address, session, storage, timeline, tracking
+from raytrain_ddp import data, layering, preflight, ray_address, session, storage, stream, timeline, tracking
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.flops import ModelFlops
@@ -112,7 +112,7 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             datasets, fitted = _build_datasets(config, recipe)
             train_rows = data.num_rows(datasets["train"])
             timeline.mark("datasets")
-            example = data.example_batch(datasets["val"])
+            example = data.example_batch(datasets["val"], config.seed)
             timeline.mark("example rows")
     t = config.train
     return Plan(
@@ -209,9 +209,15 @@ def _build_datasets(config: Config, recipe: Recipe) -> tuple[dict[str, Any], Any
         failed = f"recipe {recipe.name}: {preflight.where(recipe.build_datasets, 'build_datasets', e)} failed"
         raise ConfigError(config.job, [f"{failed}: {type(e).__name__}: {e}"]) from e
     try:
-        return data.check_datasets(datasets, config.job)
+        datasets, fitted = data.check_datasets(datasets, config.job)
     except TypeError as e:
         raise ConfigError(config.job, [str(e)]) from None
+    if data.is_stream(datasets):  # listed once, here: every worker reads the same files
+        try:
+            datasets = {name: s.listed(config.data.max_bad_files) for name, s in datasets.items()}
+        except stream.BadFile as e:
+            raise ConfigError(config.job, [f"dataset: {e}"]) from None
+    return datasets, fitted
 
 
 def _resume_point(run_path: str, config: Config) -> ResumePoint:

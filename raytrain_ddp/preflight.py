@@ -25,7 +25,7 @@ import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import data, flops, lease, ray_address, session, storage, tracking
+from raytrain_ddp import data, flops, lease, ray_address, session, storage, stream, tracking
 from raytrain_ddp.config import Config, ConfigError, flatten
 from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.metrics import reported_metrics
@@ -43,6 +43,7 @@ RESUMABLE = (
     "train.num_loader_workers",
     "scaling.use_gpu",
     "scaling.resources_per_worker",
+    "data.",
     "ddp.bucket_cap_mb",
     "ddp.gradient_as_bucket_view",
     "ddp.find_unused_parameters",
@@ -359,13 +360,15 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     lazy = [
         name
         for name, ds in datasets.items()
-        if isinstance(ds, ray.data.Dataset) and not isinstance(ds, MaterializedDataset)
+        if isinstance(ds, stream.Stream)
+        or (isinstance(ds, ray.data.Dataset) and not isinstance(ds, MaterializedDataset))
     ]
     left = capacity.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * s.num_workers
     if not problems and lazy and left < 1:
         problems.append(
             f"scaling.resources_per_worker: the workers take {capacity['CPU'] - left:g} of {capacity['CPU']:g} CPUs, "
-            f"and Ray Data needs one to run the pipeline of the unmaterialized dataset(s) {', '.join(lazy)}: "
+            f"and Ray Data needs one to run the pipeline of the streamed or unmaterialized dataset(s) "
+            f"{', '.join(lazy)}: "
             "without it training waits forever; lower resources_per_worker.CPU (e.g. {CPU: 0.5}), "
             "or materialize them"
         )

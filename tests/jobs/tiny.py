@@ -1,6 +1,7 @@
 """A tiny recipe for the DDP-practice and reliability tests: an MLP on a generated regression table
-whose size the test chooses, served through Ray Data (materialized, or lazy) or as a torch Dataset,
-with faults injected on request.
+whose size the test chooses, served through Ray Data (materialized, or lazy), as a torch Dataset or
+streamed from Parquet shards (`source: parquet`: written under `dataset.path` first, 5 shards a split
+of uneven sizes, with an `id` column), with faults injected on request.
 
 The table does not depend on `seed` (so runs with different seeds see the same rows); `seed` still
 drives the model's initialization, the shuffle and dropout, through the service.
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
+
+from raytrain_ddp import stream
 
 
 class MLP(nn.Module):
@@ -99,12 +102,21 @@ class Rows(Dataset):
 
 
 def build_datasets(
-    *, seed: int, rows: int = 64, val_rows: int = 15, source: Literal["ray", "lazy-ray", "torch"] = "ray"
+    *,
+    seed: int,
+    rows: int = 64,
+    val_rows: int = 15,
+    source: Literal["ray", "lazy-ray", "torch", "parquet"] = "ray",
+    path: str | None = None,
 ):
     rng = np.random.default_rng(1234)
     x = rng.normal(size=(rows + val_rows, 4)).astype(np.float32)
     y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype=np.float32) + 0.1 * rng.normal(size=len(x))).astype(np.float32)
     splits = {"train": (x[:rows], y[:rows]), "val": (x[rows:], y[rows:])}
+    if source == "parquet":
+        if path is None:
+            raise ValueError("source: parquet needs dataset.path, a directory to write the shards to")
+        return {name: _shards(Path(path) / name, *arrays) for name, arrays in splits.items()}
     if source == "torch":
         return {name: Rows(*arrays) for name, arrays in splits.items()}
     datasets = {
@@ -113,6 +125,20 @@ def build_datasets(
     if source == "lazy-ray":  # not run until training reads it: Ray Data then needs a CPU of its own
         return {name: ds.map_batches(lambda batch: batch) for name, ds in datasets.items()}
     return {name: ds.materialize() for name, ds in datasets.items()}
+
+
+def _shards(root: Path, x: np.ndarray, y: np.ndarray) -> stream.Parquet:
+    """The rows as 5 Parquet shards of uneven sizes (written once), streamed: columns x, y and id."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not root.exists():
+        root.mkdir(parents=True)
+        cuts = np.cumsum([0, 3, 1, 4, 1, 5]) * len(y) // 14  # shards of 3/14, 1/14, ... of the rows
+        for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            table = pa.table({"x": list(x[a:b]), "y": y[a:b], "id": np.arange(a, b)})
+            pq.write_table(table, root / f"part-{k}.parquet")
+    return stream.Parquet(str(root), columns=("x", "y", "id"))
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

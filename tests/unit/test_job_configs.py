@@ -11,7 +11,17 @@ from raytrain_ddp import load_config
 from raytrain_ddp import recipe as recipes
 from raytrain_ddp.cli import main
 
-JOBS = ("breast_cancer", "char_gpt", "chat_sft", "digits", "fashion_mnist", "regression", "two_tower")
+JOBS = (
+    "breast_cancer",
+    "char_gpt",
+    "chat_sft",
+    "digits",
+    "fashion_mnist",
+    "image_folder",
+    "parquet_table",
+    "regression",
+    "two_tower",
+)
 REQUIRED = {"chat_sft": ["model.path=my-model", "dataset.path=chats.jsonl"]}  # keys with no default
 SFT_CONFIGS = sorted((Path(__file__).parents[2] / "jobs" / "chat_sft").glob("*.yaml"))
 

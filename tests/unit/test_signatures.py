@@ -20,7 +20,17 @@ RECIPES = sorted(ROOT.glob("jobs/*.py")) + [
 ]
 # Read from the source; the others need the import (chat_sft: a validator function in `Location`;
 # chat_faults: build_model's signature is set after its def, build_datasets is chat_sft's).
-STATIC = {"breast_cancer", "char_gpt", "digits", "fashion_mnist", "regression", "two_tower", "tiny"}
+STATIC = {
+    "breast_cancer",
+    "char_gpt",
+    "digits",
+    "fashion_mnist",
+    "image_folder",
+    "parquet_table",
+    "regression",
+    "two_tower",
+    "tiny",
+}
 
 
 SCHEMA = {"build_model": "model_kwargs", "build_datasets": "dataset_kwargs"}

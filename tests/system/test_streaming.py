@@ -1,0 +1,148 @@
+"""Streamed datasets (raytrain_ddp/stream.py) end to end, on a local Ray: the two streaming jobs learn
+from files the tests write (scikit-learn's digits as PNG files in class folders, and as Parquet
+shards), an unreadable file stops a run naming it or is skipped and counted, and a run killed mid-epoch
+resumes exactly without reading again what it had trained.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_reliability import RELIABLE, _faults, _weights
+
+from raytrain_ddp import ConfigError, RunFailed, load_config
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp import recipe as recipes
+
+TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
+# Tiny's table as 5 Parquet shards a split; each rank's share shuffled in windows of 2 batches.
+STREAMED = (*RELIABLE, "dataset.source=parquet", "train.local_shuffle_buffer_size=16")
+
+
+def _run(workspace, job: str, *overrides: str):
+    from raytrain_ddp import run
+
+    return run(load_config(job, overrides=workspace.overrides(*overrides)))
+
+
+@pytest.fixture(scope="module")
+def straight(ray_session, module_workspace):
+    """Tiny's uninterrupted streamed run: 3 epochs of 96 rows, 6 batches a rank an epoch, checkpoints
+    at steps 4, 6 | 8, 12 | 16, 18."""
+    path = module_workspace.root / "table"
+    return _run(module_workspace, TINY, *STREAMED, f"dataset.path={path}", "run.name=straight")
+
+
+def test_a_run_killed_mid_epoch_resumes_from_its_checkpoint_without_reading_the_trained_rows_again(
+    straight, workspace, record
+):
+    """Rank 1 is SIGKILLed at step 11, 3 steps after the step-8 checkpoint (epoch 2, 2 of its 6
+    batches trained): the restarted epoch reads each rank's share from its third batch on, and the run
+    ends with the uninterrupted run's weights, bit for bit."""
+    path = Path(straight.run_path).parents[1] / "table"  # the same shards
+    summary = _run(
+        workspace,
+        TINY,
+        *STREAMED,
+        f"dataset.path={path}",
+        *_faults(workspace, "'1:11:kill'"),
+        "run.max_failures=1",
+        "run.name=faulted",
+    )
+
+    assert summary.attempts == 2
+    assert summary.failures[0].endswith("restarted from epoch_0002-step_0000008")
+    run_dir, straight_dir = Path(summary.run_path), Path(straight.run_path)
+    torch.testing.assert_close(_weights(run_dir, "epoch_0003"), _weights(straight_dir, "epoch_0003"), rtol=0, atol=0)
+    assert summary.final_metrics["train_loss"] == straight.final_metrics["train_loss"]
+    # Epoch 2 as its end-of-epoch report saw it: every row trained, only those after the resume point read.
+    resumed, whole = (ckpt.open_verified(d / "epoch_0002").metrics() for d in (run_dir, straight_dir))
+    assert whole["data_rows_read"] == whole["train_samples"] == 96
+    assert resumed["train_samples"] == 96 and resumed["data_rows_read"] == 96 - 2 * 2 * 8  # 2 batches of 8, 2 ranks
+    assert resumed["data_bad_files"] == 0
+    record(
+        "rank 1 SIGKILLed mid-epoch 2, Parquet shards streamed (max_failures=1)",
+        attempts=2,
+        resumed="epoch_0002-step_0000008 (step 8)",
+        note="epoch 2 read 64 of its 96 rows again, not 96 (no replay); weights bit-identical",
+    )
+
+
+@pytest.fixture(scope="module")
+def digits_png(tmp_path_factory) -> Path:
+    """scikit-learn's digits as PNG files in class folders, as the job's `prepare: digits` writes them."""
+    path = tmp_path_factory.mktemp("digits") / "png"
+    recipes.load("image_folder").make_datasets(load_config("image_folder", overrides=[f"dataset.path={path}"]))
+    return path
+
+
+def _copy(images: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(images, tmp_path / "images"))
+
+
+def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_images(
+    ray_session, workspace, tmp_path, digits_png
+):
+    """The digits as PNG files, plus one that is not an image: with data.max_bad_files=1 the run
+    trains, counts it in every report and in MLflow, and learns; the registered model takes decoded
+    images as they are."""
+    images = _copy(digits_png, tmp_path)
+    (images / "train" / "3" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    started = time.perf_counter()
+    summary = _run(
+        workspace,
+        "image_folder",
+        f"dataset.path={images}",
+        "dataset.size=[8,8]",
+        "train.epochs=4",
+        "data.max_bad_files=1",
+    )
+    wall_s = time.perf_counter() - started
+
+    assert summary.final_metrics["val_accuracy"] >= 0.85, summary.final_metrics
+    assert summary.final_metrics["data_bad_files"] == 1
+    train_files = sum(1 for _ in (images / "train").rglob("*.png"))  # the broken one included
+    assert summary.final_metrics["train_samples"] == train_files // 2 * 2 - 1  # equal shares, less the broken row
+    client = mlflow.tracking.MlflowClient(summary.tracking_uri)
+    history = client.get_metric_history(summary.mlflow_run_id, "data_bad_files")
+    assert [m.value for m in history] == [1.0] * 4  # one per epoch's report
+    mlflow.set_tracking_uri(summary.tracking_uri)
+    model = mlflow.pyfunc.load_model(summary.model.uri)
+    pngs = sorted((images / "val").rglob("*.png"))[:40]
+    raw = np.stack([np.asarray(Image.open(p).convert("L").resize((8, 8))) for p in pngs])
+    labels = np.array([int(p.parent.name) for p in pngs])
+    assert (model.predict(raw).argmax(axis=1) == labels).mean() >= 0.8
+    print(f"image_folder: {train_files} train files, 4 epochs, {wall_s:.0f} s, {summary.final_metrics}")
+
+
+def test_a_corrupt_image_stops_the_run_naming_it(ray_session, workspace, tmp_path, digits_png):
+    images = _copy(digits_png, tmp_path)
+    (images / "val" / "7" / "broken.png").write_bytes(b"not an image at all")
+    with pytest.raises(RunFailed) as failed:
+        _run(workspace, "image_folder", f"dataset.path={images}", "dataset.size=[8,8]", "train.epochs=1")
+    message = str(failed.value)
+    assert "val/7/broken.png: not a readable image" in message
+    assert "data.max_bad_files" in message
+
+
+def test_parquet_table_learns_reading_only_its_columns_and_refuses_a_truncated_shard_before_training(
+    ray_session, workspace, tmp_path
+):
+    table = tmp_path / "digits-parquet"
+    summary = _run(workspace, "parquet_table", f"dataset.path={table}", "train.epochs=8")
+    assert summary.final_metrics["val_accuracy"] >= 0.9, summary.final_metrics
+
+    shard = table / "train" / "part-003.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    (tmp_path / "again").mkdir()
+    again = type(workspace)(tmp_path / "again", workspace.store)  # a workspace that nothing has written to
+    with pytest.raises(ConfigError, match=r"part-003\.parquet: not a readable Parquet file.*data\.max_bad_files=1"):
+        _run(again, "parquet_table", f"dataset.path={table}", "dataset.prepare=none")
+    assert again.untouched()
