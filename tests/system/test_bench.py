@@ -14,8 +14,9 @@ from services import REPO, user_env
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import timeline
 
-# B-cold is B without a Ray running: the path of every command-line test, left out here for time.
-SIDES = ["A", "B", "B-async", "B'"]
+# B-cold is B without a Ray running: the path of every command-line test; B' is B on a torch Dataset,
+# the path of tests/system/test_ddp.py. Both left out here for time.
+SIDES = ["A", "B", "B-async"]
 
 
 def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path):
@@ -56,11 +57,9 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
     # B's own throughput, from its reports (and its MFU, on a GPU of known peak: none here).
     assert figures["A"]["reported_throughput"] is None and figures["B"]["reported_throughput"]["median"] > 0
     assert all(f["reported_mfu"] is None and f["mfu"] is None for f in figures.values())
-    # The same batches, model, seed and optimizer: the same weights (and the comparison can tell:
-    # B' deals its rows out by a DistributedSampler, another order, and ends elsewhere).
+    # The same batches, model, seed and optimizer: the same weights.
     for side in ("B", "B-async"):
         assert figures[side]["weights_vs_a"] <= 1e-6, side
-    assert figures["B'"]["weights_vs_a"] > 1e-3
     # Async uploads leave complete checkpoints behind.
     work = Path(re.search(r"work directory (\S+)", result.stdout).group(1))
     run = work / next(Path(r["log"]).parent for r in results["runs"] if r["side"] == "B-async")
@@ -69,7 +68,7 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
 
     # Every B side's timeline has every phase of a run (bench/harness.py adds the exit after the last).
     phases = {*timeline.DRIVER_START, *timeline.WORKER_START, timeline.FIRST_STEP, *timeline.TEARDOWN, "exit"}
-    for side in ("B", "B-async", "B'"):
+    for side in ("B", "B-async"):
         assert set(figures[side]["phases"]) == phases, side
 
     table = (tmp_path / "smoke.md").read_text()

@@ -123,12 +123,17 @@ def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_i
 
 
 def test_a_corrupt_image_stops_the_run_naming_it(ray_session, workspace, tmp_path, digits_png):
-    images = _copy(digits_png, tmp_path)
-    (images / "val" / "7" / "broken.png").write_bytes(b"not an image at all")
+    images = tmp_path / "images"  # 2 classes of 16 images a split: the run fails at its first validation
+    for png in sorted(digits_png.glob("*/[01]/*.png")):
+        folder = images / png.parent.relative_to(digits_png)
+        if len(list(folder.glob("*.png"))) < 16:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy(png, folder)
+    (images / "val" / "1" / "broken.png").write_bytes(b"not an image at all")
     with pytest.raises(RunFailed) as failed:
-        _run(workspace, "image_folder", f"dataset.path={images}", "dataset.size=[8,8]", "train.epochs=1")
+        _run(workspace, "image_folder", f"dataset.path={images}", "dataset.size=[8,8]", "train.batch_size=8")
     message = str(failed.value)
-    assert "val/7/broken.png: not a readable image" in message
+    assert "val/1/broken.png: not a readable image" in message
     assert "data.max_bad_files" in message
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from services import BIN, MLflowServer, cli, user_env, wait_until
 
+import raytrain_ddp
 from raytrain_ddp import checkpoint
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
@@ -27,11 +28,14 @@ def server(tmp_path_factory):
     server.stop()
 
 
-def test_server_gone_after_training_then_register_later_once(server, workspace, monkeypatch, record):
+def test_server_gone_after_training_then_register_later_once(
+    ray_session, server, workspace, monkeypatch, capsys, record
+):
     """Credentials come from MLFLOW_TRACKING_USERNAME/PASSWORD; wrong ones are refused before
     training. The server is stopped the moment the last checkpoint lands: training still finishes,
     the checkpoints are safe, the driver exits 3 naming `raytrain-ddp register`; with the server
-    back, registering twice gives one version."""
+    back, registering twice (from Python, then with `raytrain-ddp register`, which answers from the
+    registry) gives one version."""
     overrides = [*workspace.overrides("run.name=away", "train.epochs=3", f"mlflow.tracking_uri={server.url}")]
 
     wrong = cli(
@@ -82,11 +86,12 @@ def test_server_gone_after_training_then_register_later_once(server, workspace, 
         checkpoint.verify(directory)  # safe: whole, and what Ray committed
 
     server.start()  # the same store, back
-    first = cli("register", str(run_path), cwd=workspace.root, env=server.credentials)
+    capsys.readouterr()
+    registered = raytrain_ddp.register(str(run_path))  # what `raytrain-ddp register` runs, in this process
+    first = capsys.readouterr()
     again = cli("register", str(run_path), cwd=workspace.root, env=server.credentials)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert re.search(rf"{re.escape(str(run_path))}/epoch_000\d is tiny version 1", first.stdout)
+    assert registered.version == 1 and again.returncode == 0, again.stderr[-3000:]
+    assert re.search(rf"{re.escape(str(run_path))}/epoch_000\d is tiny version 1", first.out)
     assert "is tiny version 1" in again.stdout and "already registered" in again.stdout  # from the registry alone
 
     [version] = client.search_model_versions("name = 'tiny'")
@@ -105,7 +110,7 @@ def test_server_gone_after_training_then_register_later_once(server, workspace, 
     secret = server.password
     assert all(secret not in value for value in training.data.params.values())
     assert secret not in (run_path / "epoch_0003" / "config.json").read_text()
-    for output in (out, err, first.stdout, first.stderr, wrong.stdout, wrong.stderr):
+    for output in (out, err, first.out, first.err, again.stdout, again.stderr, wrong.stdout, wrong.stderr):
         assert secret not in output
     record(
         "MLflow server stopped as the last checkpoint lands; `raytrain-ddp register` twice once it is back",
