@@ -104,7 +104,7 @@ class DataSettings(_Section):
     label_selector: dict[str, str] = Field(
         default_factory=dict,
         description="node labels the reading tasks need, e.g. {role: data} for nodes started with "
-        '--labels=\'{"role": "data"}\'; {} = any node',
+        "--labels role=data; {} = any node",
     )
 
 
@@ -116,6 +116,11 @@ class ScalingSettings(_Section):
     resources_per_worker: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 1.0},
         description="Ray resources reserved per worker, e.g. {CPU: 0.5} on a 2-core laptop to leave Ray Data a core",
+    )
+    label_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="node labels the workers need, e.g. {role: train} for nodes started with --labels role=train "
+        "(and data.label_selector to read on other nodes); {} = any node",
     )
 
     @model_validator(mode="after")

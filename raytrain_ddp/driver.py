@@ -172,6 +172,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
             num_workers=config.scaling.num_workers,
             use_gpu=config.scaling.use_gpu,
             resources_per_worker=dict(config.scaling.resources_per_worker),
+            label_selector=dict(config.scaling.label_selector) or None,
         ),
         run_config=RunConfig(
             name=config.run.name,

@@ -45,6 +45,7 @@ skipped files are counted in every report (`data_bad_files`, logged to MLflow).
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -87,7 +88,7 @@ class Manifest:
     def total(self) -> int:
         return int(self.rows.sum())
 
-    @property
+    @functools.cached_property
     def first_row(self) -> np.ndarray:
         """Each file's first row id."""
         return np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
@@ -131,10 +132,11 @@ class Stream:
             if want <= 0:
                 break
             label = int(m.labels[i]) if m.labels is not None else -1
-            rows.append(self._transformed(self.read(path, 0, want, label), seed, 0, int(m.first_row[i])))
+            rows.append(self.transformed(self.read(path, 0, want, label), seed, 0, int(m.first_row[i])))
         return _concatenate(rows)
 
-    def _transformed(self, rows: Row, seed: int, epoch: int, first_row: int) -> Row:
+    def transformed(self, rows: Row, seed: int, epoch: int, first_row: int) -> Row:
+        """`rows` (consecutive, the first with id `first_row`) through `transform`, each with its own generator."""
         if self.transform is None:
             return rows
         out = [
@@ -295,10 +297,10 @@ def share(total: int, world_size: int, rank: int, equal: bool) -> tuple[int, int
     return total * rank // world_size, total * (rank + 1) // world_size
 
 
-def pieces(manifest: Manifest, order: np.ndarray, first: int, end: int, origin: int) -> list[Piece]:
-    """The pieces of files that hold rows [first, end) of the sequence `order` makes, their positions
-    counted from `origin` (the share's first row)."""
-    rows = manifest.rows[order]
+def pieces(manifest: Manifest, order: np.ndarray, first: int, end: int, origin: int, most: int) -> list[Piece]:
+    """The pieces of files, of at most `most` rows, that hold rows [first, end) of the sequence `order`
+    makes, their positions counted from `origin` (the share's first row)."""
+    rows, first_row = manifest.rows[order], manifest.first_row
     ends = np.cumsum(rows)
     starts = ends - rows
     found = []
@@ -307,16 +309,16 @@ def pieces(manifest: Manifest, order: np.ndarray, first: int, end: int, origin: 
             break
         i = int(order[k])
         lo, hi = max(first, int(starts[k])) - int(starts[k]), min(end, int(ends[k])) - int(starts[k])
-        if hi > lo:
-            label = int(manifest.labels[i]) if manifest.labels is not None else -1
-            first_row = int(manifest.first_row[i]) + lo
-            found.append(Piece(manifest.files[i], label, lo, hi, int(starts[k]) + lo - origin, first_row))
+        label = int(manifest.labels[i]) if manifest.labels is not None else -1
+        for a in range(lo, hi, most):  # a long file in pieces of at most `most` rows
+            b = min(hi, a + most)
+            found.append(Piece(manifest.files[i], label, a, b, int(starts[k]) + a - origin, int(first_row[i]) + a))
     return found
 
 
-def window_rows(stream: Stream, batch_size: int, shuffle_rows: int, shuffle: bool) -> int:
+def window_rows(batch_size: int, shuffle_rows: int, shuffle: bool) -> int:
     """Rows shuffled together in a share: whole batches; one batch where nothing is shuffled."""
-    if not shuffle or stream.one_row_per_file:
+    if not shuffle:
         return batch_size
     return batch_size * max(1, math.ceil(shuffle_rows / batch_size))
 
@@ -347,7 +349,7 @@ def read_pieces(batch: dict[str, np.ndarray], stream: Stream, seed: int, epoch: 
                 raise BadFile(f"{e}; remove it or set data.max_bad_files") from None
             logger.warning("skipped: %s", e)
             continue
-        rows = stream._transformed(rows, seed, epoch, int(first_row))
+        rows = stream.transformed(rows, seed, epoch, int(first_row))
         rows[POSITION] = np.arange(int(position), int(position) + int(stop) - int(start), dtype=np.int64)
         read.append(rows)
     return _concatenate(read) if read else {POSITION: np.zeros(0, dtype=np.int64)}
@@ -404,11 +406,10 @@ class Pipeline:
         order = file_order(len(m.files), self.seed, epoch, self.shuffle)
         first, end = share(m.total, self.world_size, self.rank, self.equal)
         shuffled = self.shuffle and not self.stream.one_row_per_file
-        window = window_rows(self.stream, self.batch_size, self.shuffle_rows, shuffled)
+        window = window_rows(self.batch_size, self.shuffle_rows, shuffled)
         skip = first_batch * self.batch_size // window * window  # rows of the share that are not read at all
-        return EpochPlan(
-            epoch, first_batch, pieces(m, order, first + skip, end, first), skip, end - first, window, shuffled
-        )
+        planned = pieces(m, order, first + skip, end, first, self.data.task_rows)
+        return EpochPlan(epoch, first_batch, planned, skip, end - first, window, shuffled)
 
     def batched(self, plan: EpochPlan, blocks: Iterator[Row]) -> Iterator[Row]:
         """Batches of the rows read for `plan` (blocks in position order, as `read_pieces` makes them)."""
@@ -453,7 +454,7 @@ class Pipeline:
             store = 0.5 * ray.cluster_resources().get("object_store_memory", 0) / self.world_size or None
         options.resource_limits = options.resource_limits.copy(cpu=d.cpus, object_store_memory=store)
         options.label_selector = dict(d.label_selector) or None
-        per_task = max(1, d.task_rows // max(1, planned[0].stop - planned[0].start))
+        per_task = max(1, d.task_rows // max(p.stop - p.start for p in planned))  # pieces a task reads
         items = [vars(p) for p in planned]
         dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / per_task))
         read = dataset.map_batches(
@@ -477,9 +478,11 @@ class Pipeline:
 
 def _windows(blocks: Iterator[Row], skip: int, rows: int, window: int) -> Iterator[tuple[int, Row, np.ndarray]]:
     """Group blocks of rows (in position order) into windows: (window's first position, its rows, their
-    positions)."""
+    positions). Each block is copied out of the object store as it arrives: Ray Data's numpy batches are
+    views of it, and a window held on views would pin its blocks there (up to a window of them)."""
     origin, held = skip, []
     for block in blocks:
+        block = {name: np.array(column) for name, column in block.items()}
         positions = block[POSITION]
         if len(positions) == 0:
             continue

@@ -298,8 +298,9 @@ class MLflowServer:
 class LoopbackCluster:
     """A real 2-node Ray cluster on this machine: `ray start --head` and `ray start --address`, token
     authentication on, the dashboard on 127.0.0.1, each node with its own temp dir (so the processes
-    of each are found, and stopped, by it). `node_local` is a directory that only the worker node
-    sees as it is: that node runs in its own mount namespace with a tmpfs mounted over it."""
+    of each are found, and stopped, by it), the head labelled role=train and the other role=data.
+    `node_local` is a directory that only the worker node sees as it is: that node runs in its own
+    mount namespace with a tmpfs mounted over it."""
 
     root: Path
     cpus_per_node: int = 2
@@ -346,6 +347,7 @@ class LoopbackCluster:
             f"--ray-client-server-port={free_port()}",
             f"--dashboard-agent-listen-port={free_port()}",
             f"--temp-dir={self.root / 'head'}",
+            "--labels=role=train",
             *common,
         ]
         self._run(head, self._node_env("head"))
@@ -355,6 +357,7 @@ class LoopbackCluster:
             f"--address=127.0.0.1:{self.gcs_port}",
             f"--temp-dir={self.root / 'worker'}",
             f"--dashboard-agent-listen-port={free_port()}",
+            "--labels=role=data",
             *common,
         ]
         # The worker node's own view of node_local, where the machine allows a mount namespace (root):

@@ -40,7 +40,7 @@ def mlflow_server(tmp_path_factory):
 
 
 def submit(cluster: LoopbackCluster, *train_args: str) -> tuple[str, str]:
-    """The README's command; returns the submission id and the job's logs."""
+    """The README's command, for tests/jobs/tiny.py; returns the submission id and the job's logs."""
     job_id = f"tiny-{secrets.token_hex(3)}"
     cluster.ray(
         "job",
@@ -98,6 +98,37 @@ def test_job_submit_trains_on_both_nodes_and_registers(cluster, mlflow_server, t
     assert version.tags[CHECKPOINT_TAG] == str(best)
     history = mlflow_server.client().get_metric_history(version.run_id, "val_mse")
     assert len(history) == 2
+
+
+def test_a_streamed_dataset_is_read_on_the_data_node_while_the_workers_train_on_the_other(
+    cluster, mlflow_server, tmp_path
+):
+    """Parquet shards streamed (tiny's `source: parquet`), the workers held to the node labelled
+    role=train (the head) and the reading tasks to the one labelled role=data: where each ran, from
+    Ray's own record of the job's actors and tasks."""
+    job_id, logs = submit(
+        cluster,
+        "run.name=placed",
+        f"run.storage_path={tmp_path / 'runs'}",
+        f"mlflow.tracking_uri={mlflow_server.url}",
+        "dataset.source=parquet",
+        f"dataset.path={tmp_path / 'table'}",
+        "dataset.rows=512",
+        "scaling.resources_per_worker={CPU: 0.5}",
+        "scaling.label_selector={role: train}",
+        "data.label_selector={role: data}",
+    )
+
+    info = job_info(cluster, job_id)
+    assert info["status"] == "SUCCEEDED", logs[-3000:]
+    nodes = {node["labels"].get("role"): node["node_id"] for node in cluster.nodes()}
+    actors = json.loads(cluster.ray("list", "actors", "--detail", "--format=json", "--limit=1000").stdout)
+    workers = [a["node_id"] for a in actors if a["class_name"] == "RayTrainWorker" and a["job_id"] == info["job_id"]]
+    tasks = json.loads(cluster.ray("list", "tasks", "--detail", "--format=json", "--limit=10000").stdout)
+    reads = [t["node_id"] for t in tasks if "read_pieces" in t["name"] and t["job_id"] == info["job_id"]]
+    assert workers == [nodes["train"]] * 2
+    # Each worker reads 2 epochs of training rows and 2 validations: a task or more each time.
+    assert len(reads) >= 8 and set(reads) == {nodes["data"]}, reads
 
 
 def test_storage_that_only_one_node_sees_is_refused_before_training(cluster, tmp_path):

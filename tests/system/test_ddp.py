@@ -82,7 +82,7 @@ def _probe(loop_config: dict) -> None:
     from torch import nn
 
     from raytrain_ddp import data, loop
-    from raytrain_ddp.config import DDPSettings, TrainSettings
+    from raytrain_ddp.config import DataSettings, DDPSettings, TrainSettings
     from raytrain_ddp.metrics import all_gather
     from raytrain_ddp.optim import Accumulation, Updater
 
@@ -143,7 +143,8 @@ def _probe(loop_config: dict) -> None:
         def __getitem__(self, i):
             return {"i": torch.tensor(i)}
 
-    worker_data = data.WorkerData({"train": Indices(21), "val": Indices(15)}, TrainSettings(batch_size=4), seed=7)
+    shipped = {"train": Indices(21), "val": Indices(15)}
+    worker_data = data.WorkerData(shipped, TrainSettings(batch_size=4), DataSettings(), seed=7)
     rows = lambda batches: [int(i) for batch in batches for i in batch["i"]]  # noqa: E731
     mine = {
         "epoch0": rows(worker_data.train_batches(0)),

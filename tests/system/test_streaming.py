@@ -6,7 +6,10 @@ resumes exactly without reading again what it had trained.
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from services import user_env
 from test_reliability import RELIABLE, _faults, _weights
 
 from raytrain_ddp import ConfigError, RunFailed, load_config
@@ -151,3 +155,78 @@ def test_parquet_table_learns_reading_only_its_columns_and_refuses_a_truncated_s
     with pytest.raises(ConfigError, match=r"part-003\.parquet: not a readable Parquet file.*data\.max_bad_files=1"):
         _run(again, "parquet_table", f"dataset.path={table}", "dataset.prepare=none")
     assert again.untouched()
+
+
+# A Ray of its own, its object store held to STORE_MB, and a table of TABLE_MB in Parquet shards.
+STORE_MB, ROWS, FEATURES = 96, 50_000, 2048  # 50,000 rows of 2,048 float32: 400 MB, over 4 stores full
+BOUNDED = """
+import json, re, resource, sys, threading, time
+import ray
+from ray._private.internal_api import memory_summary
+
+ray.init(object_store_memory={store} * 2**20, log_to_driver=False)
+from raytrain_ddp import load_config, run
+
+peak, done = [0.0], threading.Event()
+def watch():  # the object store's use, every 0.2 s, from the raylet's own figures
+    while not done.wait(0.2):
+        used = re.search(r"Plasma memory usage (\\d+) MiB", memory_summary(stats_only=True))
+        peak[0] = max(peak[0], float(used.group(1)) if used else 0.0)
+threading.Thread(target=watch, daemon=True).start()
+summary = run(load_config("parquet_table", overrides=sys.argv[1:]))
+done.set()
+spilled = re.search(r"Spilled (\\d+) MiB", memory_summary(stats_only=True))
+print(json.dumps({{
+    "store_peak_mb": peak[0],
+    "spilled_mb": float(spilled.group(1)) if spilled else 0.0,
+    "driver_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "worker_rss_mb": summary.final_metrics["peak_memory_mb"],
+    "train_samples": summary.final_metrics["train_samples"],
+    "samples_per_s": summary.final_metrics["samples_per_s"],
+}}))
+"""
+
+
+def test_a_table_four_times_the_object_store_streams_through_it_without_spilling(tmp_path, record):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    for split, rows, shards in (("train", ROWS, 40), ("val", 1000, 1)):
+        (tmp_path / "table" / split).mkdir(parents=True)
+        for k in range(shards):
+            n = rows // shards
+            features = pa.FixedSizeListArray.from_arrays(rng.normal(size=n * FEATURES).astype(np.float32), FEATURES)
+            table = pa.table({"features": features, "label": rng.integers(0, 10, n)})
+            pq.write_table(table, tmp_path / "table" / split / f"part-{k:03d}.parquet", compression="none")
+    table_mb = sum(f.stat().st_size for f in (tmp_path / "table" / "train").iterdir()) / 2**20
+    overrides = [
+        f"dataset.path={tmp_path / 'table'}",
+        "dataset.prepare=none",
+        f"model.num_features={FEATURES}",
+        "model.hidden=32",
+        "train.epochs=1",
+        "train.batch_size=256",
+        f"run.storage_path={tmp_path / 'runs'}",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
+    script = BOUNDED.format(store=STORE_MB)
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-c", script, *overrides], env=user_env(), capture_output=True, text=True, timeout=600
+    )
+    wall_s = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.splitlines()[-1])
+
+    assert table_mb > 4 * STORE_MB
+    assert figures["train_samples"] == ROWS  # every row, once
+    assert figures["spilled_mb"] == 0, figures  # held back by Ray Data's backpressure, not spilled to disk
+    assert figures["store_peak_mb"] <= STORE_MB
+    print(f"bounded memory: {table_mb:.0f} MB through a {STORE_MB} MB object store in {wall_s:.0f} s: {figures}")
+    record(
+        f"{table_mb:.0f} MB of Parquet streamed through a {STORE_MB} MB object store",
+        attempts=1,
+        note=f"object store peak {figures['store_peak_mb']:.0f} MB, spilled 0; RSS driver "
+        f"{figures['driver_rss_mb']:.0f} MB, worker {figures['worker_rss_mb']:.0f} MB",
+    )
