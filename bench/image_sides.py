@@ -65,4 +65,4 @@ class Files(Dataset):
         row = {k: v[0] for k, v in self.images.read(m.files[i], 0, 1, int(m.labels[i])).items()}
         if self.images.transform is not None:
             row = self.images.transform(row, np.random.default_rng())
-        return {"image": torch.from_numpy(np.ascontiguousarray(row["image"])), "label": torch.tensor(row["label"])}
+        return {"image": torch.from_numpy(np.array(row["image"])), "label": torch.tensor(row["label"])}
