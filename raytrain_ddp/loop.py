@@ -7,8 +7,9 @@ the checkpoint. Metrics are global: sums and counts are combined across ranks be
 reported, so every rank takes the same decisions, stopping included.
 
 Resume is exact: an epoch's data order is a function of (seed, epoch), a checkpoint holds every
-rank's random state and the micro-batch training stopped at, and a resumed epoch skips the batches
-already trained. Restarted after a failure, the result equals that of an uninterrupted run.
+rank's random state and the micro-batch training stopped at, and a resumed epoch starts at the first
+batch not trained (a stream reads from there; a Ray or torch Dataset reads the epoch again and passes
+over the batches trained). Restarted after a failure, the result equals that of an uninterrupted run.
 """
 
 from __future__ import annotations

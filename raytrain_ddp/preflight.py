@@ -100,6 +100,7 @@ def check(plan: Plan) -> ModelFlops:
         check_score(config, checked.reported)
         + check_batches(config, plan.train_rows)
         + check_resources(config, plan.datasets)
+        + check_labels(config)
         + storage.check_shared(config.run.storage_path)
     )
     if problems:
@@ -373,6 +374,34 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
             "or materialize them"
         )
     return problems
+
+
+def check_labels(config: Config) -> list[str]:
+    """Whether a node has the labels that scaling.label_selector and data.label_selector ask for (with an
+    autoscaler: a node type has them). Ray would otherwise wait forever for a node that will not come."""
+    autoscaler = session.autoscaler_config()
+    if autoscaler is not None and autoscaler.node_group_configs:
+        found = [getattr(group, "labels", None) for group in autoscaler.node_group_configs]
+    else:
+        found = [node.get("Labels") for node in ray.nodes() if node["Alive"]]
+    if any(labels is None for labels in found):  # this Ray does not say: nothing to check against
+        return []
+    nodes = [dict(labels) for labels in found]
+    problems = []
+    asked = {"scaling.label_selector": config.scaling.label_selector, "data.label_selector": config.data.label_selector}
+    for key, selector in asked.items():
+        if selector and not any(all(labels.get(k) == v for k, v in selector.items()) for labels in nodes):
+            wanted, has = _labels(selector), "; ".join(_labels(n) or "none" for n in nodes)
+            problems.append(
+                f"{key}: no node of the cluster has the labels {wanted} (they have: {has}); "
+                f"start nodes with --labels {wanted}, or clear {key}"
+            )
+    return problems
+
+
+def _labels(labels: dict[str, str]) -> str:
+    """Labels as `ray start --labels` takes them, without Ray's own (ray.io/...)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if not k.startswith("ray.io/"))
 
 
 def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:

@@ -290,8 +290,13 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_that_verifies(straight, 
             ["scaling.resources_per_worker={CPU: 1}", "dataset.source=lazy-ray"],
             "the workers take 2 of 2 CPUs, and Ray Data needs one",
         ),
+        (
+            ["scaling.label_selector={role: train}"],
+            "scaling.label_selector: no node of the cluster has the labels role=train (they have: none); "
+            "start nodes with --labels role=train",
+        ),
     ],
-    ids=["too-many-workers", "too-many-cpus", "no-gpus", "no-cpu-left-for-ray-data"],
+    ids=["too-many-workers", "too-many-cpus", "no-gpus", "no-cpu-left-for-ray-data", "no-node-with-the-labels"],
 )
 def test_resources_the_cluster_cannot_hold_are_refused_before_training(ray_session, workspace, record, overrides, says):
     from raytrain_ddp import run

@@ -167,15 +167,17 @@ from ray._private.internal_api import memory_summary
 ray.init(object_store_memory={store} * 2**20, log_to_driver=False)
 from raytrain_ddp import load_config, run
 
+address = ray.get_runtime_context().gcs_address  # this Ray's: the test session may run another
+
 peak, done = [0.0], threading.Event()
 def watch():  # the object store's use, every 0.2 s, from the raylet's own figures
     while not done.wait(0.2):
-        used = re.search(r"Plasma memory usage (\\d+) MiB", memory_summary(stats_only=True))
+        used = re.search(r"Plasma memory usage (\\d+) MiB", memory_summary(address, stats_only=True))
         peak[0] = max(peak[0], float(used.group(1)) if used else 0.0)
 threading.Thread(target=watch, daemon=True).start()
 summary = run(load_config("parquet_table", overrides=sys.argv[1:]))
 done.set()
-spilled = re.search(r"Spilled (\\d+) MiB", memory_summary(stats_only=True))
+spilled = re.search(r"Spilled (\\d+) MiB", memory_summary(address, stats_only=True))
 print(json.dumps({{
     "store_peak_mb": peak[0],
     "spilled_mb": float(spilled.group(1)) if spilled else 0.0,
