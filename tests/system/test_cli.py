@@ -74,7 +74,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
         "train",
         TINY,
         "dataset.rows=2048",
-        "train.epochs=40",
+        "train.epochs=20",
         "run.name=shared",
         f"model.fault_log={passes}",
     ]
@@ -90,7 +90,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
         start_new_session=True,
     )
     _read_until(a, rf"new run \(no checkpoint of a run shared in {re.escape(str(tmp_path))}/runs\)")
-    _read_until(a, r"^epoch +2/40 ")
+    _read_until(a, r"^epoch +2/20 ")
 
     started = time.monotonic()
     b = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -115,12 +115,12 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
     c = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     resumed = _read_until(c, r"resuming from (epoch_\d{4}) \(epoch [\d.]+, step (\d+)\)")
     assert resumed.group(1) == latest_of_a.name  # the stale lease of the dead driver was taken over
-    _read_until(c, r"^epoch +\d+/40 ")
+    _read_until(c, r"^epoch +\d+/20 ")
     c.send_signal(signal.SIGINT)
     _, err = c.communicate(timeout=300)
 
     assert c.returncode == 130, err[-3000:]
-    assert re.search(r"^interrupted: run shared was interrupted \((Ctrl-C|stopped after epoch \d+ of 40)\)$", err, re.M)
+    assert re.search(r"^interrupted: run shared was interrupted \((Ctrl-C|stopped after epoch \d+ of 20)\)$", err, re.M)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     [stopped] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert stopped.info.status == "KILLED" and client.search_registered_models() == []
@@ -133,7 +133,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_ctrl_c_stops_cleanly(tmp
             "run.name=shared",
             f"model.fault_log={passes}",
             "dataset.rows=2048",
-            "train.epochs=40",
+            "train.epochs=20",
         ]
     )  # what differs from the job's YAML
 

@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -131,33 +132,37 @@ def test_a_streamed_dataset_is_read_on_the_data_node_while_the_workers_train_on_
     assert len(reads) >= 8 and set(reads) == {nodes["data"]}, reads
 
 
-def test_storage_that_only_one_node_sees_is_refused_before_training(cluster, tmp_path):
+def test_storage_only_one_node_sees_and_defaults_inside_the_jobs_temporary_directory_are_refused(cluster, tmp_path):
+    """Two jobs submitted at once (each is refused in seconds, after a submission's fixed ~15 s):
+    - `run.storage_path` a directory that only the head node sees: refused once Ray is joined, before
+      training, by the probe that writes from every node;
+    - the defaults: `./runs` and `sqlite:///mlflow.db` resolve inside the copy of the working directory
+      that Ray deletes after the job: refused before Ray is even joined."""
     if not cluster.node_local_isolated:
         message = "needs a mount namespace (unshare, as root) to give one node a directory the other cannot see"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    job_id, logs = submit(
-        cluster,
-        f"run.storage_path={cluster.node_local}",
-        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        "scaling.resources_per_worker={CPU: 1.5}",
-    )
+    with ThreadPoolExecutor(2) as pool:
+        node_local = pool.submit(
+            submit,
+            cluster,
+            f"run.storage_path={cluster.node_local}",
+            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "scaling.resources_per_worker={CPU: 1.5}",
+        )
+        defaults = pool.submit(submit, cluster)
+    (local_id, local_logs), (defaults_id, defaults_logs) = node_local.result(), defaults.result()
 
-    assert job_info(cluster, job_id)["status"] == "FAILED"
-    assert f"run.storage_path: {cluster.node_local} is not shared by the cluster's nodes" in logs
-    assert "Use a path every node mounts (NFS, EFS) or an s3:// URI" in logs
-    assert "epoch   1/" not in logs  # nothing trained
+    assert job_info(cluster, local_id)["status"] == "FAILED"
+    assert f"run.storage_path: {cluster.node_local} is not shared by the cluster's nodes" in local_logs
+    assert "Use a path every node mounts (NFS, EFS) or an s3:// URI" in local_logs
+    assert "epoch   1/" not in local_logs  # nothing trained
     assert list(cluster.node_local.iterdir()) == []  # the probe cleaned up after itself, here at least
 
-
-def test_the_defaults_inside_the_jobs_temporary_directory_are_refused(cluster):
-    """`./runs` and `sqlite:///mlflow.db` resolve inside the copy of the working directory that Ray
-    deletes after the job: refused before Ray is even joined."""
-    job_id, logs = submit(cluster)
-
-    assert job_info(cluster, job_id)["status"] == "FAILED"
+    assert job_info(cluster, defaults_id)["status"] == "FAILED"
     assert re.search(
-        r"run.storage_path: \S+/runtime_resources/\S+/runs is in the job's temporary working directory", logs
+        r"run.storage_path: \S+/runtime_resources/\S+/runs is in the job's temporary working directory",
+        defaults_logs,
     )
-    assert "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to a tracking server" in logs
+    assert "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to a tracking server" in defaults_logs
