@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import ray
 import ray.train
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -75,12 +76,21 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
 
     def after_controller_start(self, train_run_context) -> None:
         self._put("controller")
+        try:  # the driver's way to end the run when its resources do not come (run.resources_wait_s)
+            self.queue.put(("controller", ray.get_runtime_context().current_actor), timeout=5)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("the controller's handle not sent to the driver: %s", e)
 
     def before_worker_group_start(self, worker_group_context) -> None:
         self._put("placement")  # the scaling decision taken: the worker group's resources asked for
 
     def after_worker_group_start(self, worker_group) -> None:
         self._put("worker group")  # the worker actors up, their process group set up
+        try:  # which node each rank is on: a failure then says which node was lost, if one was
+            nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in worker_group.get_workers()}
+            self.queue.put(("workers", nodes), timeout=5)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("the workers' nodes not sent to the driver: %s", e)
 
     def after_worker_group_training_start(self, worker_group) -> None:
         self._put("train context")  # datasets split, the training function launched

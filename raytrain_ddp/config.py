@@ -188,6 +188,12 @@ class RunSettings(_Section):
         description="how often Ray Train's controller polls the workers: the delay of progress lines, "
         "failure detection and each checkpoint's record (the workers do not wait for it) (Ray's default: 2)",
     )
+    resources_wait_s: float = Field(
+        600,
+        ge=0,
+        description="how long the workers may wait for their resources (at the start, or after a node is lost) "
+        "before the run fails with its resume command; 0 = refused at once unless they are free now",
+    )
 
     @model_validator(mode="after")
     def _name_is_a_directory_name(self) -> RunSettings:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray.train
 from ray.train import WorkerGroupError
+from ray.util.placement_group import placement_group_table
 from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 from rich.markup import escape
 
-from raytrain_ddp import stream
+from raytrain_ddp import capacity, stream
 from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import rank
 from raytrain_ddp.flops import si
@@ -32,12 +35,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 END = "end"  # put by the driver once fit() has returned
+WATCH_EVERY_S = 2.0  # how often the driver asks whether the workers wait for resources
+ANNOUNCE_AFTER_S = 10.0  # a placement that waits longer is said on the console (a healthy one takes < 1 s)
 
 
 class LiveProgress:
     """Prints a line per report while training runs, and a line per failed attempt; a spinner shows
     the phase on a terminal. Keeps what the driver needs afterwards: the failures, and why the run
-    stopped if the workers stopped it."""
+    stopped if the workers stopped it.
+
+    Watches for workers that wait for resources (Ray's placement group of this driver's job pending,
+    at the start or after a node is lost): says what they wait for and what the cluster has, and
+    after run.resources_wait_s ends the run (`gave_up` says why) instead of Ray's endless retries."""
 
     def __init__(self, console: Console, plan: Plan, timeline: Timeline, last_epoch: Callable[[], Any] | None = None):
         config = plan.config
@@ -53,12 +62,19 @@ class LiveProgress:
         self.best = None if plan.resume.best is None else rank(plan.resume.best, self.score, self.order)
         self.failures: list[str] = []
         self.stopped: str | None = None
+        self.config, self.gave_up = config, None  # gave_up: why the driver ended the run, if it did
+        self._controller = None  # Ray Train's controller actor (ControllerMarks sends it)
+        self._worker_nodes: dict[int, str] = {}  # rank: node id, of the latest worker group
+        self._waiting_since: float | None = None  # since when the workers wait for resources
+        self._next_watch, self._announced = 0.0, False
         self._status = console.status(f"Starting {config.scaling.num_workers} training workers…")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True)
 
     def __enter__(self) -> LiveProgress:
-        self.queue = Queue(actor_options={"num_cpus": 0})
+        # On the driver's node: a node of the cluster may be lost, this one never without the driver.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
         self.relay = ProgressRelay(self.queue, self.latest)
         self.marks = ControllerMarks(self.queue)
         self._status.start()
@@ -80,17 +96,77 @@ class LiveProgress:
             except Empty:
                 if self._stop.is_set():
                     return
+                self._watch()
                 continue
             if kind == END:
                 return
             if kind == "marks":
                 self.timeline.add(*event)
+                if "worker group" in event[0]:  # the workers placed and started
+                    self._placed()
+            elif kind == "controller":
+                [self._controller] = event
+            elif kind == "workers":
+                [self._worker_nodes] = event
             elif kind == "report":
                 [metrics] = event
                 self.timeline.add(metrics.pop(MARKS, {}))
                 self._show(metrics)
             else:
                 self._failed(*event)
+            self._watch()
+
+    def _watch(self) -> None:
+        """Every WATCH_EVERY_S: whether the workers wait for resources; said after ANNOUNCE_AFTER_S, and
+        the run ended after run.resources_wait_s (0: at the second look)."""
+        now = time.monotonic()
+        if now < self._next_watch or self.gave_up is not None:
+            return
+        self._next_watch = now + WATCH_EVERY_S
+        if not self._placement_pending():
+            return
+        if self._waiting_since is None:
+            self._waiting_since = now
+            return
+        waited, limit = now - self._waiting_since, self.config.run.resources_wait_s
+        if waited >= limit:
+            self.gave_up = (
+                f"the workers' resources did not come within {limit:g} s (run.resources_wait_s): "
+                f"{capacity.describe_wait(self.config)}"
+            )
+            self.console.print(f"[red]giving up[/]: {escape(self.gave_up)}")
+            self._abort()
+        elif not self._announced and waited >= ANNOUNCE_AFTER_S:
+            self._announced = True
+            self.console.print(
+                f"[yellow]waiting for resources[/] ({waited:.0f} s; the run fails after {limit:g} s, "
+                f"run.resources_wait_s): {escape(capacity.describe_wait(self.config))}"
+            )
+        self._status.update(f"Waiting for the workers' resources ({waited:.0f} of {limit:g} s)…")
+
+    def _placement_pending(self) -> bool:
+        """Whether a placement group of this driver's job (Ray Train's controller creates the workers'
+        placement group; its id ends with the job's) waits for resources."""
+        job = ray.get_runtime_context().get_job_id()
+        try:
+            table = placement_group_table()
+        except Exception:  # noqa: BLE001 - no answer: no verdict
+            return False
+        return any(pg_id.endswith(job) and pg["state"] in ("PENDING", "RESCHEDULING") for pg_id, pg in table.items())
+
+    def _placed(self) -> None:
+        if self._announced:
+            self.console.print(f"resources found after {time.monotonic() - self._waiting_since:.0f} s")
+        self._waiting_since, self._announced = None, False
+
+    def _abort(self) -> None:
+        """End the run: Ray Train's controller is killed, and fit() raises. (Its `abort`, what Ctrl-C
+        calls, waits behind the placement group's wait, a minute at a time.) The placement group it
+        asked for goes with it, and there are no workers yet to stop."""
+        if self._controller is None:
+            logger.warning("cannot end the run: the controller's handle never came")
+            return
+        ray.kill(self._controller, no_restart=True)
 
     def _show(self, m: dict[str, Any]) -> None:
         if STOPPED in m:
@@ -120,6 +196,9 @@ class LiveProgress:
 
     def _failed(self, errors: dict[int, str], latest: str | None) -> None:
         what = "; ".join(f"rank {rank}: {error}" for rank, error in errors.items())
+        lost = capacity.lost_nodes(self._worker_nodes)
+        if lost:  # the other ranks' errors (a collective cut short) follow from it
+            what = "; ".join(lost) + f" ({what})"
         left = self.max_failures - len(self.failures) - 1
         if self.max_failures == -1 or left >= 0:
             restart = f"restarted from {latest or 'the start'}"

@@ -111,10 +111,12 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     except BaseException as e:
         # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
         # as SystemExit or KeyboardInterrupt, depending on when it lands.
-        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted))
+        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted)) and progress.gave_up is None
         tracking.end_failed_run(config, run_id, "KILLED" if interrupted else "FAILED")
         if interrupted:
             what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})"
+        elif progress.gave_up is not None:  # the driver ended it: its workers' resources never came
+            what = f"failed: {progress.gave_up}"
         else:
             what = f"failed: {ui.describe_failure(e, config.run.max_failures, len(progress.failures))}"
             what += _keep_tracebacks(plan, e, console if verbose else None)

@@ -25,7 +25,7 @@ import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import data, flops, lease, ray_address, session, storage, stream, tracking
+from raytrain_ddp import capacity, data, flops, lease, ray_address, session, storage, stream, tracking
 from raytrain_ddp.config import Config, ConfigError, flatten
 from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.metrics import reported_metrics
@@ -52,6 +52,7 @@ RESUMABLE = (
     "run.storage_path",
     "run.max_failures",
     "run.controller_poll_s",
+    "run.resources_wait_s",
     "mlflow.",
 )
 
@@ -101,6 +102,7 @@ def check(plan: Plan) -> ModelFlops:
         + check_batches(config, plan.train_rows)
         + check_resources(config, plan.datasets)
         + check_labels(config)
+        + check_free_now(config)
         + storage.check_shared(config.run.storage_path)
     )
     if problems:
@@ -335,23 +337,22 @@ def check_lasting_paths(config: Config) -> list[str]:
 def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     """Whether the cluster can ever place the workers. Ray would otherwise wait forever, silently, for
     resources that will not come."""
-    s = config.scaling
-    per_worker = dict(s.resources_per_worker) | ({"GPU": s.resources_per_worker.get("GPU", 1.0)} if s.use_gpu else {})
+    s, per_worker = config.scaling, capacity.per_worker(config)
     autoscaler = session.autoscaler_config()
     nodes = _node_shapes(autoscaler)
-    capacity = {key: sum(node.get(key, 0.0) * count for node, count in nodes) for key in {"CPU", *per_worker}}
-    where = ("at most, with the autoscaler" if autoscaler else f"{len(nodes)} node(s)") + f": {_describe(capacity)}"
+    most = {key: sum(node.get(key, 0.0) * count for node, count in nodes) for key in {"CPU", *per_worker}}
+    where = ("at most, with the autoscaler" if autoscaler else f"{len(nodes)} node(s)") + f": {_describe(most)}"
     problems = []
     for key, amount in per_worker.items():
-        if amount * s.num_workers > capacity.get(key, 0.0):
+        if amount * s.num_workers > most.get(key, 0.0):
             fix = (
                 "set scaling.use_gpu=false"
-                if key == "GPU" and capacity.get("GPU", 0) == 0
+                if key == "GPU" and most.get("GPU", 0) == 0
                 else ("lower scaling.num_workers or scaling.resources_per_worker")
             )
             problems.append(
                 f"scaling: {s.num_workers} workers × {key} {amount:g} need {key} {amount * s.num_workers:g}, "
-                f"the cluster has {capacity.get(key, 0.0):g} ({where}); {fix}"
+                f"the cluster has {most.get(key, 0.0):g} ({where}); {fix}"
             )
     if not problems and not any(all(node.get(k, 0.0) >= v for k, v in per_worker.items()) for node, _ in nodes):
         problems.append(
@@ -364,16 +365,27 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
         if isinstance(ds, stream.Stream)
         or (isinstance(ds, ray.data.Dataset) and not isinstance(ds, MaterializedDataset))
     ]
-    left = capacity.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * s.num_workers
+    left = most.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * s.num_workers
     if not problems and lazy and left < 1:
         problems.append(
-            f"scaling.resources_per_worker: the workers take {capacity['CPU'] - left:g} of {capacity['CPU']:g} CPUs, "
+            f"scaling.resources_per_worker: the workers take {most['CPU'] - left:g} of {most['CPU']:g} CPUs, "
             f"and Ray Data needs one to run the pipeline of the streamed or unmaterialized dataset(s) "
             f"{', '.join(lazy)}: "
             "without it training waits forever; lower resources_per_worker.CPU (e.g. {CPU: 0.5}), "
             "or materialize them"
         )
     return problems
+
+
+def check_free_now(config: Config) -> list[str]:
+    """With run.resources_wait_s=0, whether the workers fit in what the cluster has free now (another
+    run may hold it): refused at once rather than waiting."""
+    if config.run.resources_wait_s > 0 or capacity.fits_now(config):
+        return []
+    return [
+        f"run.resources_wait_s=0 and the workers do not fit now: {capacity.describe_wait(config)}; "
+        "wait for the resources to be free, or set run.resources_wait_s to how long the run may wait for them"
+    ]
 
 
 def check_labels(config: Config) -> list[str]:

@@ -21,6 +21,8 @@ from raytrain_ddp.ray_address import ADDRESS_ENV, RayAddress, check_environment
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 # On by default: a watcher actor per run that restarts the workers in time when a node is drained.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# Off by default: Ray Train's record of its runs (a detached state actor), which the dashboard shows.
+STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 
@@ -54,14 +56,20 @@ def connect(address: RayAddress, verbose: bool) -> None:
 
 def fit_environment(controller_poll_s: float) -> dict[str, str]:
     """What Ray Train reads from the driver's environment when fit() starts (and passes to its
-    controller and workers): the controller's poll interval, and, on a cluster of one machine with
-    no autoscaler, no preemption watcher: no other node can be drained there, and the watcher is one
-    more process to start (a second of CPU on a small machine) before the first step; the user's
-    own setting of the watcher wins."""
+    controller and workers): the controller's poll interval, and
+    - on a cluster of one machine with no autoscaler, no preemption watcher: no other node can be
+      drained there, and the watcher is one more process to start (a second of CPU on a small
+      machine) before the first step;
+    - on a cluster of several machines or with an autoscaler, Ray Train's record of its runs (its
+      state actor, which the dashboard shows): a run whose workers wait for resources names the runs
+      that hold them from it (capacity.holders).
+    The user's own setting of either wins."""
     values = {CONTROLLER_POLL_ENV: str(controller_poll_s)}
     alive = [node for node in ray.nodes() if node["Alive"]]
     if len(alive) == 1 and autoscaler_config() is None:
         values[PREEMPTION_WATCHER_ENV] = os.environ.get(PREEMPTION_WATCHER_ENV, "0")
+    else:
+        values[STATE_TRACKING_ENV] = os.environ.get(STATE_TRACKING_ENV, "1")
     return values
 
 

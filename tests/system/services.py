@@ -8,6 +8,7 @@ Each runs with its files in a directory the test owns and is stopped by PID, nev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -16,9 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -294,13 +296,27 @@ class MLflowServer:
         return MlflowClient(self.url)
 
 
+@contextlib.contextmanager
+def loopback_cluster() -> Iterator[LoopbackCluster]:
+    """A LoopbackCluster started in a directory of its own, stopped and removed at the end."""
+    # A short private directory: Ray's socket paths under it must stay below the OS limit.
+    root = Path(tempfile.mkdtemp(prefix="rtc", dir="/tmp"))
+    cluster = LoopbackCluster(root)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()  # by its directory: whatever of it started
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @dataclass
 class LoopbackCluster:
     """A real 2-node Ray cluster on this machine: `ray start --head` and `ray start --address`, token
     authentication on, the dashboard on 127.0.0.1, each node with its own temp dir (so the processes
     of each are found, and stopped, by it), the head labelled role=train and the other role=data.
     `node_local` is a directory that only the worker node sees as it is: that node runs in its own
-    mount namespace with a tmpfs mounted over it."""
+    mount namespace with a tmpfs mounted over it. More nodes join with `add_node`; `kill_node` ends
+    one as a machine's death does."""
 
     root: Path
     cpus_per_node: int = 2
@@ -351,26 +367,48 @@ class LoopbackCluster:
             *common,
         ]
         self._run(head, self._node_env("head"))
-        worker = [
-            str(BIN / "ray"),
-            "start",
-            f"--address=127.0.0.1:{self.gcs_port}",
-            f"--temp-dir={self.root / 'worker'}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            "--labels=role=data",
-            *common,
-        ]
         # The worker node's own view of node_local, where the machine allows a mount namespace (root):
         # a tmpfs the head never sees.
         unshare = ["unshare", "--mount", "--propagation", "private"]
         self.node_local_isolated = (
             bool(shutil.which("unshare")) and subprocess.run([*unshare, "true"], capture_output=True).returncode == 0
         )
-        if self.node_local_isolated:
-            worker = [*unshare, "sh", "-c", f"mount -t tmpfs tmpfs {self.node_local} && exec {' '.join(worker)}"]
-        self._run(worker, self._node_env("worker"))
-        wait_until(lambda: len(self.nodes()) == 2, 60, "2-node Ray cluster")
+        self.add_node("worker", isolated=self.node_local_isolated)
         return self
+
+    def add_node(self, name: str, isolated: bool = False) -> None:
+        """A worker node joins (labelled role=data), with its own temp dir named `name`; `isolated`: in
+        a mount namespace of its own, where node_local is a tmpfs. Returns once the cluster counts it."""
+        before = len(self.nodes())
+        worker = [
+            str(BIN / "ray"),
+            "start",
+            f"--address=127.0.0.1:{self.gcs_port}",
+            f"--temp-dir={self.root / name}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--labels=role=data",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={self.cpus_per_node}",
+            "--disable-usage-stats",
+        ]
+        if isolated:
+            unshare = ["unshare", "--mount", "--propagation", "private"]
+            worker = [*unshare, "sh", "-c", f"mount -t tmpfs tmpfs {self.node_local} && exec {' '.join(worker)}"]
+        self._run(worker, self._node_env(name))
+        wait_until(lambda: len(self.nodes()) == before + 1, 60, f"node {name} in the cluster")
+
+    def kill_node(self, name: str) -> list[int]:
+        """The node `name` dies as a machine does: every one of its processes SIGKILLed at once."""
+        family = {}
+        for process in processes_with(str(self.root / name)):
+            family[process.pid] = process
+            with contextlib.suppress(psutil.NoSuchProcess):
+                family.update((child.pid, child) for child in process.children(recursive=True))
+        for process in family.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(list(family.values()), timeout=10)
+        return list(family)
 
     def nodes(self) -> list[dict]:
         out = self.ray("list", "nodes", "--format=json", "--filter", "state=ALIVE", check=False)

@@ -9,13 +9,10 @@ import json
 import os
 import re
 import secrets
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from services import LoopbackCluster, MLflowServer
+from services import LoopbackCluster, MLflowServer, loopback_cluster
 
 from raytrain_ddp import checkpoint
 from raytrain_ddp.tracking import CHECKPOINT_TAG
@@ -23,14 +20,8 @@ from raytrain_ddp.tracking import CHECKPOINT_TAG
 
 @pytest.fixture(scope="module")
 def cluster():
-    # A short private directory: Ray's socket paths under it must stay below the OS limit.
-    root = Path(tempfile.mkdtemp(prefix="rtc", dir="/tmp"))
-    cluster = LoopbackCluster(root)
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with loopback_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,145 @@
+"""What the cluster holds now, for a run whose workers wait for resources: whether they fit on the
+nodes alive this moment, and if not, what is free and which other runs hold the rest.
+
+Ray places a worker group all at once or not at all, and while it cannot, it waits: at the start
+(another run holds the resources, an autoscaler is adding nodes) and after a node is lost (its
+replacement may come, or not). The driver says what the run waits for while it waits (console.py),
+refuses at once if asked to (`run.resources_wait_s=0`, preflight.py) and gives up after
+`run.resources_wait_s`; these are the words it uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import ray
+
+from raytrain_ddp.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+def per_worker(config: Config) -> dict[str, float]:
+    """One worker's resources, as Ray Train asks for them (a GPU each where use_gpu says so)."""
+    s = config.scaling
+    return dict(s.resources_per_worker) | ({"GPU": s.resources_per_worker.get("GPU", 1.0)} if s.use_gpu else {})
+
+
+def fits_now(config: Config) -> bool:
+    """Whether the run's workers fit in what the alive nodes (those with scaling.label_selector's
+    labels) have free now: one worker after another onto the first node with room, as Ray's PACK
+    strategy places them."""
+    wanted, selector = per_worker(config), dict(config.scaling.label_selector)
+    free = [dict(node["free"]) for node in _nodes() if all(node["labels"].get(k) == v for k, v in selector.items())]
+    for _ in range(config.scaling.num_workers):
+        node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in wanted.items())), None)
+        if node is None:
+            return False
+        for key, amount in wanted.items():
+            node[key] -= amount
+    return True
+
+
+def describe_wait(config: Config) -> str:
+    """What the run waits for and what the cluster has: the workers' resources, the nodes alive with
+    what they have free, and the other runs of the cluster that hold workers now."""
+    s, nodes, wanted = config.scaling, _nodes(), per_worker(config)
+    free = {key: sum(node["free"].get(key, 0.0) for node in nodes) for key in wanted}
+    total = {key: sum(node["total"].get(key, 0.0) for node in nodes) for key in wanted}
+    has = ", ".join(f"{key} {free[key]:g} free of {total[key]:g}" for key in wanted)
+    said = f"{s.num_workers} workers × {_describe(wanted)}; the cluster has {len(nodes)} node(s) alive, {has}"
+    if s.label_selector:
+        said += f" (workers only on nodes labelled {','.join(f'{k}={v}' for k, v in s.label_selector.items())})"
+    others = holders(config.run.name)
+    return said + (f"; held by {'; '.join(others)}" if others else "")
+
+
+def holders(own_name: str | None) -> list[str]:
+    """The other Ray Train runs of the cluster whose workers are placed now: 'run NAME (job ID, N
+    workers × RESOURCES)' from Ray Train's state actor (what its dashboard shows: on where
+    session.fit_environment turns it on), else 'N training workers of job ID' from Ray's actors."""
+    try:
+        from ray.train.v2._internal.state.state_actor import get_state_actor
+
+        actor = get_state_actor()
+        if actor is None:
+            return _worker_jobs()
+        runs = ray.get(actor.get_train_runs.remote(), timeout=10)
+        attempts = ray.get(actor.get_train_run_attempts.remote(), timeout=10)
+    except Exception as e:  # noqa: BLE001 - the words are a help, never a reason to fail
+        logger.debug("Ray Train's state actor did not answer: %s", e)
+        return _worker_jobs()
+    found = []
+    for run_id, run in runs.items():
+        if str(getattr(run.status, "value", run.status)) != "RUNNING" or run.name == own_name:
+            continue
+        latest = max((attempts.get(run_id) or {}).values(), key=lambda a: a.start_time_ns, default=None)
+        workers = len(latest.resources) if latest is not None else 0
+        each = _describe(latest.resources[0].resources) if workers else "?"
+        found.append(f"run {run.name} (job {run.job_id}, {workers} workers × {each})")
+    return found
+
+
+def _worker_jobs() -> list[str]:
+    """'N training workers of job ID' for every other job with Ray Train workers alive."""
+    from ray.util.state import list_actors
+
+    try:
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], timeout=10)
+    except Exception as e:  # noqa: BLE001 - as above
+        logger.debug("Ray's actors not listed: %s", e)
+        return []
+    own = ray.get_runtime_context().get_job_id()
+    jobs: dict[str, int] = {}
+    for worker in workers:
+        if worker.job_id != own:
+            jobs[worker.job_id] = jobs.get(worker.job_id, 0) + 1
+    return [f"{count} training workers of job {job}" for job, count in sorted(jobs.items())]
+
+
+def lost_nodes(ranks: dict[int, str]) -> list[str]:
+    """Of the nodes the ranks ran on ({rank: node id}), those lost: 'node IP (id ID) was lost, with
+    rank(s) R'. A node is lost when Ray has marked it dead or, sooner (Ray takes seconds to), when
+    its raylet no longer accepts a connection."""
+    known = {node["NodeID"]: node for node in ray.nodes()}
+    lost = []
+    for node_id in sorted(set(ranks.values())):
+        node = known.get(node_id)
+        if node is None or not node["Alive"] or not _answers(node["NodeManagerAddress"], node["NodeManagerPort"]):
+            ip = node["NodeManagerAddress"] if node else "?"
+            on = ", ".join(str(rank) for rank, where in sorted(ranks.items()) if where == node_id)
+            lost.append(f"node {ip} (id {node_id[:8]}) was lost, with rank {on}")
+    return lost
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _nodes() -> list[dict[str, Any]]:
+    """The alive nodes: their labels, total and free resources."""
+    from ray._private.state import state  # free resources per node: no public API
+
+    try:
+        free = state.available_resources_per_node()
+    except Exception:  # noqa: BLE001 - judge by the totals alone
+        free = {}
+    return [
+        {
+            "labels": node.get("Labels") or {},
+            "total": node["Resources"],
+            "free": free.get(node["NodeID"], node["Resources"]),
+        }
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
+
+
+def _describe(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
