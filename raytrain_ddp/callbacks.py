@@ -47,9 +47,11 @@ class ProgressRelay(ray.train.UserCallback):
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if checkpoint is not None:
             self.latest = Path(checkpoint.path).name
-        self._put(("report", metrics[0]))
+        self._put(("report", metrics[0], self.latest))
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        if any(_preempted(e) for e in worker_exceptions.values()):  # ControllerMarks says it, once
+            return
         errors = {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}
         run = run_context.run_config
         try:  # a checkpoint reported just before the failure, not recorded yet, is where the restart resumes
@@ -94,6 +96,19 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
 
     def after_worker_group_training_start(self, worker_group) -> None:
         self._put("train context")  # datasets split, the training function launched
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        """A preemption begun (a node of the workers is being drained) or over (the workers restart, or
+        the run ends): Ray Train calls no other callback for it."""
+        was, now = type(previous_state).__name__, type(current_state).__name__
+        try:
+            if now == "PreemptingState" and was != now:
+                info = current_state.preemption_info
+                self.queue.put(("preempting", info.preempted_node_to_ranks, info.deadline_ms), timeout=5)
+            elif was == "PreemptingState" and now != was:
+                self.queue.put(("preempted", now == "RestartingState"), timeout=5)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("preemption not shown: %s", e)
 
     def after_worker_group_poll_status(self, worker_group_status) -> None:
         if worker_group_status.finished and not worker_group_status.errors:
@@ -192,6 +207,12 @@ def _on_the_controller() -> bool:
         return False
     descriptor = getattr(context.current_actor, "_ray_actor_creation_function_descriptor", None)
     return getattr(descriptor, "class_name", None) == "TrainController"
+
+
+def _preempted(error: BaseException) -> bool:
+    """Whether a worker died with its node, drained for a preemption (Ray Train's own test)."""
+    error = getattr(error, "health_check_failure", error)
+    return isinstance(error, RayActorError) and bool(getattr(error, "preempted", False))
 
 
 def one_line(error: BaseException) -> str:

@@ -168,6 +168,14 @@ class CheckpointSettings(_Section):
         "even if Ray had not recorded it yet); async: rank 0 writes it locally and training goes on while it "
         "uploads (a failure meanwhile resumes from the one before)",
     )
+    preemption_check_steps: int = Field(
+        10,
+        ge=0,
+        description="every N optimizer steps the ranks ask Ray Train whether a node of theirs is being preempted "
+        "(drained, as a spot instance reclaimed): the first time it is, a checkpoint is taken at once; a barrier "
+        "of the ranks, where Ray Train watches for preemptions (a cluster of several nodes or an autoscaler); "
+        "0 = never",
+    )
 
 
 class RunSettings(_Section):

@@ -60,11 +60,13 @@ class LiveProgress:
         # The rank of the run's best checkpoint so far (a resumed run's included): ★ marks a report
         # whose checkpoint becomes the best, by the rule registration follows (checkpoint.rank).
         self.best = None if plan.resume.best is None else rank(plan.resume.best, self.score, self.order)
-        self.failures: list[str] = []
+        self.failures: list[str] = []  # every failed attempt, preemptions included
+        self._counted = 0  # those that count against run.max_failures (not preemptions)
         self.stopped: str | None = None
         self.config, self.gave_up = config, None  # gave_up: why the driver ended the run, if it did
         self._controller = None  # Ray Train's controller actor (ControllerMarks sends it)
         self._worker_nodes: dict[int, str] = {}  # rank: node id, of the latest worker group
+        self._preemption = ""  # the preemption under way, as said
         self._waiting_since: float | None = None  # since when the workers wait for resources
         self._next_watch, self._announced = 0.0, False
         self._status = console.status(f"Starting {config.scaling.num_workers} training workers…")
@@ -108,13 +110,32 @@ class LiveProgress:
                 [self._controller] = event
             elif kind == "workers":
                 [self._worker_nodes] = event
+            elif kind == "preempting":
+                self._preempting(*event)
+            elif kind == "preempted":
+                self._preempted(*event)
             elif kind == "report":
-                [metrics] = event
+                metrics, self.latest = event
                 self.timeline.add(metrics.pop(MARKS, {}))
                 self._show(metrics)
             else:
                 self._failed(*event)
             self._watch()
+
+    def _preempting(self, node_ranks: dict[str, list[int]], deadline_ms: int | None) -> None:
+        nodes = "; ".join(f"node {node[:8]} (rank {', '.join(map(str, ranks))})" for node, ranks in node_ranks.items())
+        when = f", reclaimed in {max(deadline_ms / 1000 - time.time(), 0):.0f} s" if deadline_ms else ""
+        self._preemption = f"{nodes} preempted (drained{when})"
+        then = "a checkpoint now, then the workers wait for the restart"
+        self.console.print(f"[yellow]preempting[/]: {escape(self._preemption)}: {then}")
+
+    def _preempted(self, restarting: bool) -> None:
+        if not restarting:  # the run ended first (finished, or failed otherwise)
+            return
+        restart = f"restarted from {self.latest or 'the start'} (not counted in run.max_failures)"
+        self.failures.append(f"{self._preemption} — {restart}")
+        self.console.print(f"[yellow]attempt {len(self.failures)} ended[/]: {escape(self.failures[-1])}")
+        self._status.update("Restarting the workers after the preemption…")
 
     def _watch(self) -> None:
         """Every WATCH_EVERY_S: whether the workers wait for resources; said after ANNOUNCE_AFTER_S, and
@@ -199,7 +220,8 @@ class LiveProgress:
         lost = capacity.lost_nodes(self._worker_nodes)
         if lost:  # the other ranks' errors (a collective cut short) follow from it
             what = "; ".join(lost) + f" ({what})"
-        left = self.max_failures - len(self.failures) - 1
+        left = self.max_failures - self._counted - 1
+        self._counted += 1
         if self.max_failures == -1 or left >= 0:
             restart = f"restarted from {latest or 'the start'}"
             self._status.update(f"Restarting the workers from {latest or 'the start'}…")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import tempfile
 import time
@@ -31,6 +32,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
+from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data
@@ -119,9 +121,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
     marks.mark("model")
     step, blocked, step_count = start.step, Blocked(), None
+    preemption = PreemptionCheck(config.checkpoint.preemption_check_steps)
 
     # 3. Train: one optimizer step per `accumulation.per_step` micro-batches. Evaluate and checkpoint
-    #    every checkpoint.every_n_steps steps and at the end of each epoch.
+    #    every checkpoint.every_n_steps steps, as soon as a node of the run is being preempted, and at
+    #    the end of each epoch.
     every = config.checkpoint.every_n_steps
     for epoch in range(start.epoch, config.train.epochs):
         resumed = epoch == start.epoch and start.batches > 0
@@ -140,10 +144,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             meter.add_step(optimizer_step(updater, config.train.grad_clip_norm, step_count))
             step, step_count = step + 1, None
             marks.once("first step")
-            if every and step % every == 0 and i + 1 < accumulation.micro_batches:
+            due = every and step % every == 0
+            preempted = preemption.just_now(step)
+            if (due or preempted) and i + 1 < accumulation.micro_batches:
                 blocked = evaluate_and_checkpoint(worker, Position(epoch, i + 1, step), meter, blocked)
                 if blocked is None:
                     return
+                if preempted:
+                    preemption.wait_for_the_restart()
                 ddp_model.train()
         if meter.batches != accumulation.micro_batches:  # the accumulation groups assume the count
             raise RuntimeError(
@@ -154,6 +162,39 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         blocked = evaluate_and_checkpoint(worker, Position(epoch + 1, 0, step), meter, blocked)
         if blocked is None:
             return
+        if preemption.seen and epoch + 1 < config.train.epochs:  # seen at the epoch's last step
+            preemption.wait_for_the_restart()
+
+
+class PreemptionCheck:
+    """Every `every` optimizer steps, whether Ray Train reports a node of the worker group as being
+    preempted (drained: a spot instance reclaimed); True once, the first time, for a checkpoint just in
+    time. Asking is a barrier of the ranks (through Ray Train's synchronization actor), so it is asked
+    only where Ray Train watches for preemptions (session.fit_environment turns the watcher off on a
+    one-machine cluster).
+
+    After that checkpoint every rank waits for Ray Train to restart the workers at the reclaim's
+    deadline: the steps trained meanwhile would be lost with the node, and a collective cut short by
+    the node's end would fail the surviving ranks first, which Ray would then count as a failure. The
+    restart is charged to Ray's max_preemption_failures (unlimited), not to run.max_failures."""
+
+    def __init__(self, every: int):
+        watched = os.environ.get(ENABLE_PREEMPTION_WATCHER_ENV_VAR, "1") != "0"
+        self.every, self.seen = (every if watched else 0), False
+
+    def just_now(self, step: int) -> bool:
+        if not self.every or self.seen or step % self.every:
+            return False
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return False
+        self.seen = True
+        logger.warning("node(s) %s being preempted: a checkpoint now", ", ".join(info.preempted_node_ids))
+        return True
+
+    def wait_for_the_restart(self) -> None:
+        while True:  # Ray Train stops this worker at the deadline (or once the node is gone)
+            time.sleep(1)
 
 
 def forward_backward(

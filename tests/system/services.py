@@ -323,6 +323,7 @@ class LoopbackCluster:
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     node_local_isolated: bool = False
+    workers: dict[str, str] = field(default_factory=dict)  # the worker nodes alive: name -> node id
 
     @property
     def address(self) -> str:
@@ -379,7 +380,7 @@ class LoopbackCluster:
     def add_node(self, name: str, isolated: bool = False) -> None:
         """A worker node joins (labelled role=data), with its own temp dir named `name`; `isolated`: in
         a mount namespace of its own, where node_local is a tmpfs. Returns once the cluster counts it."""
-        before = len(self.nodes())
+        before = {node["node_id"] for node in self.nodes()}
         worker = [
             str(BIN / "ray"),
             "start",
@@ -395,7 +396,8 @@ class LoopbackCluster:
             unshare = ["unshare", "--mount", "--propagation", "private"]
             worker = [*unshare, "sh", "-c", f"mount -t tmpfs tmpfs {self.node_local} && exec {' '.join(worker)}"]
         self._run(worker, self._node_env(name))
-        wait_until(lambda: len(self.nodes()) == before + 1, 60, f"node {name} in the cluster")
+        wait_until(lambda: len(self.nodes()) == len(before) + 1, 60, f"node {name} in the cluster")
+        [self.workers[name]] = {node["node_id"] for node in self.nodes()} - before
 
     def kill_node(self, name: str) -> list[int]:
         """The node `name` dies as a machine does: every one of its processes SIGKILLed at once."""
@@ -408,6 +410,7 @@ class LoopbackCluster:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         psutil.wait_procs(list(family.values()), timeout=10)
+        self.workers.pop(name, None)
         return list(family)
 
     def nodes(self) -> list[dict]:

@@ -1,10 +1,13 @@
-"""A node of a real 2-node Ray cluster on loopback dies (every process of it SIGKILLed, as a machine
-dies), and a cluster shared by two runs: what survives and what the user is told. Drivers are the
-command line joining the cluster by its GCS address, on the head, as `raytrain-ddp train` run there.
+"""A real 2-node Ray cluster on loopback loses a node (every process of it SIGKILLed, as a machine
+dies), has one preempted, and is shared by two runs: what survives and what the user is told. Drivers
+are the command line joining the cluster by its GCS address, on the head, as `raytrain-ddp train` run
+there.
 
-- a node dies mid-run and no node can take its worker: the run says it waits for resources, what for
-  and what the cluster has; a node joins, and the run resumes by itself from its latest checkpoint
-  and ends with the weights of a run never interrupted;
+- a node dies mid-run and no node can take its worker: the failure names the node, the run says it
+  waits for resources, what for and what the cluster has; a node joins, and the run resumes by itself
+  from its latest checkpoint and ends with the weights of a run never interrupted;
+- a node is drained for a preemption (Ray's API, as a spot reclaim): a checkpoint at once, and the
+  restart from it at the deadline is not charged to run.max_failures;
 - a second run whose workers do not fit next to the first's: it says which run holds the resources,
   and gives up after run.resources_wait_s with the command that resumes it; with
   run.resources_wait_s=0 it is refused at once.
@@ -42,14 +45,19 @@ def _driver_env(cluster: LoopbackCluster) -> dict[str, str]:
     return cluster.env | {"RAY_ADDRESS": f"127.0.0.1:{cluster.gcs_port}"}
 
 
-def _train(cluster: LoopbackCluster, workdir: Path, *overrides: str, popen: bool = False):
+def _train(cluster: LoopbackCluster, workdir: Path, *overrides: str, popen: bool = False, env: dict | None = None):
     """`raytrain-ddp train` of tiny, one worker a node, each run with an MLflow store of its own."""
     name = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.name="))
     storage = (f"run.storage_path={workdir / 'runs'}", f"mlflow.tracking_uri=sqlite:///{workdir / name}.db")
     command = [str(BIN / "raytrain-ddp"), "train", TINY, *ONE_PER_NODE, *storage, *overrides]
     if popen:
         return subprocess.Popen(
-            command, cwd=workdir, env=_driver_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command,
+            cwd=workdir,
+            env=_driver_env(cluster) | (env or {}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
     return cli(*command[1:], cwd=workdir, env=_driver_env(cluster))
 
@@ -66,42 +74,48 @@ def _read_until(process: subprocess.Popen, pattern: str, seen: list[str], timeou
     raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(seen)[-4000:]}")
 
 
-def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one(cluster, tmp_path, record):
-    straight = _train(cluster, tmp_path, "train.epochs=8", "run.name=straight")
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+@pytest.fixture(scope="module")
+def straight(cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of the run the interrupted ones are compared with."""
+    workdir = tmp_path_factory.mktemp("straight")
+    done = _train(cluster, workdir, "train.epochs=16", "run.name=straight")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return ckpt.open_verified(workdir / "runs" / "straight" / "epoch_0016").model_state()
 
+
+def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one(cluster, straight, tmp_path, record):
     seen: list[str] = []
     driver = _train(
         cluster,
         tmp_path,
-        "train.epochs=8",
+        "train.epochs=16",
         "run.name=lost",
         "run.max_failures=1",
         "run.resources_wait_s=300",
         popen=True,
     )
-    _read_until(driver, r"^epoch +2/8 ", seen)
-    [doomed] = [node["node_id"] for node in cluster.nodes() if not node["is_head_node"]]
+    _read_until(driver, r"^epoch +2/16 ", seen)
+    [(name, doomed)] = cluster.workers.items()
     killed_at = time.monotonic()
-    assert cluster.kill_node("worker")
+    assert cluster.kill_node(name)
     failed = _read_until(driver, r"^attempt 1 failed: (.*)$", seen)
     detected_s = time.monotonic() - killed_at
     waiting = _read_until(driver, r"^waiting for resources .*$", seen)
     cluster.add_node("spare")
     _read_until(driver, r"^resources found after \d+ s", seen)
-    resumed = _read_until(driver, r"^epoch +(\d)/8 ", seen)
+    resumed = _read_until(driver, r"^epoch +(\d)/16 ", seen)
     resumed_s = time.monotonic() - killed_at
     out = "".join(seen) + driver.communicate(timeout=300)[0]
 
     assert driver.returncode == 0, out[-4000:]
-    assert re.match(rf"node \S+ \(id {doomed[:8]}\) was lost, with rank 1 \(rank 0: ", failed.group(1)), failed.group(0)
+    lost = rf"node \S+ \(id {doomed[:8]}\) was lost, with rank [01] \(rank [01]: "  # the other rank's error after
+    assert re.match(lost, failed.group(1)), failed.group(0)
     restarted = re.search(r"restarted from (epoch_000\d)", failed.group(1)).group(1)
     assert "2 workers × {CPU: 1.5}; the cluster has 1 node(s) alive, CPU 2 free of 2" in waiting.group(0)
     # Training goes on from the checkpoint (reported again first, if Ray had not recorded it), not epoch 1.
     assert int(resumed.group(1)) >= int(restarted[-4:])
-    final = ckpt.open_verified(tmp_path / "runs" / "lost" / "epoch_0008").model_state()
-    expected = ckpt.open_verified(tmp_path / "runs" / "straight" / "epoch_0008").model_state()
-    torch.testing.assert_close(final, expected, rtol=0, atol=0)
+    final = ckpt.open_verified(tmp_path / "runs" / "lost" / "epoch_0016").model_state()
+    torch.testing.assert_close(final, straight, rtol=0, atol=0)
     [version] = MlflowClient(f"sqlite:///{tmp_path / 'lost'}.db").search_model_versions("name = 'tiny'")
     record(
         "a worker node SIGKILLed (every process) mid-run; no node free until a new one joins",
@@ -111,6 +125,65 @@ def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one
         checkpoints=len(list((tmp_path / "runs" / "lost").glob("epoch_*"))),
         versions=1,
         note=f"failure shown {detected_s:.0f} s after the kill; training again {resumed_s:.0f} s after it",
+    )
+
+
+def test_a_preempted_node_gets_a_checkpoint_in_time_and_its_restart_costs_no_failure(cluster, tmp_path, record):
+    """The worker node is drained for a preemption through Ray's API (as a cloud's spot reclaim is),
+    with a 6 s deadline, in an epoch of ~8 s: the workers take a checkpoint at once, mid-epoch, and
+    wait; at the deadline Ray Train restarts them, the node goes, and the run resumes from that
+    checkpoint on a new node, the restart not charged to run.max_failures=0."""
+    seen: list[str] = []
+    driver = _train(
+        cluster,
+        tmp_path,
+        "dataset.rows=16384",  # 1,024 steps an epoch
+        "train.epochs=3",
+        "run.name=preempted",
+        "run.max_failures=0",
+        "checkpoint.preemption_check_steps=4",
+        "checkpoint.num_to_keep=null",
+        popen=True,
+        env={"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"},  # Ray Train's watcher asks every 5 s by default
+    )
+    _read_until(driver, r"^epoch +1/3 ", seen)
+    [(name, doomed)] = cluster.workers.items()
+    drained_at = time.monotonic()
+    cluster.ray(
+        "drain-node",
+        f"--address=127.0.0.1:{cluster.gcs_port}",
+        f"--node-id={doomed}",
+        "--reason=DRAIN_NODE_REASON_PREEMPTION",
+        "--reason-message=spot instance reclaimed",
+        "--deadline-remaining-seconds=6",
+    )
+    in_time = _read_until(driver, r"^ +step +(\d+) \(epoch 1\.\d+\)", seen)  # a checkpoint mid-epoch 2
+    taken_s = time.monotonic() - drained_at
+    # Ray Train restarts the workers at the deadline; the cloud then takes the node away.
+    ended = _read_until(driver, r"^attempt 1 ended: (.*)$", seen)
+    cluster.kill_node(name)
+    cluster.add_node(f"{name}-again")
+    out = "".join(seen) + driver.communicate(timeout=300)[0]
+
+    assert driver.returncode == 0, out[-4000:]  # with run.max_failures=0
+    assert re.search(
+        rf"^preempting: node {doomed[:8]} \(rank [01]\) preempted \(drained, reclaimed in \d s\)", out, re.M
+    )
+    assert "attempt 1 failed" not in out
+    jit = f"epoch_0002-step_{int(in_time.group(1)):07d}"
+    assert ended.group(1).endswith(f"— restarted from {jit} (not counted in run.max_failures)"), ended.group(0)
+    run_dir = tmp_path / "runs" / "preempted"
+    assert sorted(p.name for p in run_dir.glob("epoch_*")) == ["epoch_0001", "epoch_0002", jit, "epoch_0003"]
+    for directory in run_dir.glob("epoch_*"):
+        ckpt.verify(directory)
+    record(
+        "the worker node drained for a preemption (6 s deadline), then taken away; run.max_failures=0",
+        attempts=2,
+        resumed=f"{jit} (reported {taken_s:.0f} s after the drain)",
+        wasted="the steps since it",
+        checkpoints="4, all verified",
+        versions=1,
+        note="restarted at the deadline; not counted as a failure",
     )
 
 
