@@ -32,7 +32,7 @@ def fits_now(config: Config) -> bool:
     labels) have free now: one worker after another onto the first node with room, as Ray's PACK
     strategy places them."""
     wanted, selector = per_worker(config), dict(config.scaling.label_selector)
-    free = [dict(node["free"]) for node in _nodes() if all(node["labels"].get(k) == v for k, v in selector.items())]
+    free = [dict(node["free"]) for node in _nodes() if has_labels(node["labels"], selector)]
     for _ in range(config.scaling.num_workers):
         node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in wanted.items())), None)
         if node is None:
@@ -51,7 +51,7 @@ def describe_wait(config: Config) -> str:
     has = ", ".join(f"{key} {free[key]:g} free of {total[key]:g}" for key in wanted)
     said = f"{s.num_workers} workers × {_describe(wanted)}; the cluster has {len(nodes)} node(s) alive, {has}"
     if s.label_selector:
-        said += f" (workers only on nodes labelled {','.join(f'{k}={v}' for k, v in s.label_selector.items())})"
+        said += f" (workers only on nodes labelled {labels_text(s.label_selector)})"
     others = holders(config.run.name)
     return said + (f"; held by {'; '.join(others)}" if others else "")
 
@@ -139,6 +139,15 @@ def _nodes() -> list[dict[str, Any]]:
         for node in ray.nodes()
         if node["Alive"]
     ]
+
+
+def has_labels(labels: dict[str, str], selector: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def labels_text(labels: dict[str, str]) -> str:
+    """Labels as `ray start --labels` takes them, without Ray's own (ray.io/...)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if not k.startswith("ray.io/"))
 
 
 def _describe(resources: dict[str, float]) -> str:

@@ -77,6 +77,7 @@ class LiveProgress:
         # On the driver's node: a node of the cluster may be lost, this one never without the driver.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        self._job = ray.get_runtime_context().get_job_id()  # whose placement groups _watch looks at
         self.relay = ProgressRelay(self.queue, self.latest)
         self.marks = ControllerMarks(self.queue)
         self._status.start()
@@ -168,12 +169,12 @@ class LiveProgress:
     def _placement_pending(self) -> bool:
         """Whether a placement group of this driver's job (Ray Train's controller creates the workers'
         placement group; its id ends with the job's) waits for resources."""
-        job = ray.get_runtime_context().get_job_id()
         try:
             table = placement_group_table()
         except Exception:  # noqa: BLE001 - no answer: no verdict
             return False
-        return any(pg_id.endswith(job) and pg["state"] in ("PENDING", "RESCHEDULING") for pg_id, pg in table.items())
+        waiting = ("PENDING", "RESCHEDULING")
+        return any(pg_id.endswith(self._job) and pg["state"] in waiting for pg_id, pg in table.items())
 
     def _placed(self) -> None:
         if self._announced:

@@ -402,18 +402,13 @@ def check_labels(config: Config) -> list[str]:
     problems = []
     asked = {"scaling.label_selector": config.scaling.label_selector, "data.label_selector": config.data.label_selector}
     for key, selector in asked.items():
-        if selector and not any(all(labels.get(k) == v for k, v in selector.items()) for labels in nodes):
-            wanted, has = _labels(selector), "; ".join(_labels(n) or "none" for n in nodes)
+        if selector and not any(capacity.has_labels(labels, selector) for labels in nodes):
+            wanted, has = capacity.labels_text(selector), "; ".join(capacity.labels_text(n) or "none" for n in nodes)
             problems.append(
                 f"{key}: no node of the cluster has the labels {wanted} (they have: {has}); "
                 f"start nodes with --labels {wanted}, or clear {key}"
             )
     return problems
-
-
-def _labels(labels: dict[str, str]) -> str:
-    """Labels as `ray start --labels` takes them, without Ray's own (ray.io/...)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if not k.startswith("ray.io/"))
 
 
 def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:
