@@ -55,6 +55,8 @@ STATE_FILE = "train_state.pt"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.json"
 MANIFEST_FILE = "manifest.json"
+PARTS = (MODEL_FILE, STATE_FILE, CONFIG_FILE, METRICS_FILE)
+FILES = (*PARTS, MANIFEST_FILE)  # in the order they are written and uploaded: the manifest last
 
 
 class CheckpointError(RuntimeError):
@@ -107,9 +109,8 @@ def save(
     torch.save(asdict(state), directory / STATE_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     (directory / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    files = (MODEL_FILE, STATE_FILE, CONFIG_FILE, METRICS_FILE)
     manifest = {
-        name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in files
+        name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in PARTS
     }
     (directory / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": manifest}, indent=2))
 

@@ -168,6 +168,13 @@ class CheckpointSettings(_Section):
         "even if Ray had not recorded it yet); async: rank 0 writes it locally and training goes on while it "
         "uploads (a failure meanwhile resumes from the one before)",
     )
+    upload_retry_s: float = Field(
+        60,
+        ge=0,
+        description="how long a checkpoint's upload retries transient storage errors (S3 throttling or "
+        "unavailable), with backoff, before the run stops naming the error; other storage errors (a full disk, "
+        "no permission) stop it at once",
+    )
     preemption_check_steps: int = Field(
         10,
         ge=0,

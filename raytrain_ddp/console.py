@@ -26,7 +26,7 @@ from raytrain_ddp import capacity, stream
 from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import rank
 from raytrain_ddp.flops import si
-from raytrain_ddp.metrics import GENERATED, STOPPED
+from raytrain_ddp.metrics import GENERATED, STOPPED, STORAGE_RETRIED
 from raytrain_ddp.optim import optimizer_steps
 from raytrain_ddp.timeline import MARKS, Timeline
 
@@ -195,6 +195,8 @@ class LiveProgress:
             self.stopped = m[STOPPED]
             self.console.print(f"[red]stopping[/]: {escape(self.stopped)}")
             return
+        if STORAGE_RETRIED in m:
+            self.console.print(f"[yellow]warning[/]: {escape(m[STORAGE_RETRIED])}")
         ranked = rank(m, self.score, self.order)
         improved = self.score in m and (self.best is None or ranked > self.best)
         if improved:

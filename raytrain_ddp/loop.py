@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,10 +36,10 @@ from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
 from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data
+from raytrain_ddp import data, storage
 from raytrain_ddp.config import Config, DDPSettings
 from raytrain_ddp.flops import ModelFlops
-from raytrain_ddp.metrics import GENERATED, STOPPED, EpochMeter, all_gather, combine
+from raytrain_ddp.metrics import GENERATED, STOPPED, STORAGE_RETRIED, EpochMeter, all_gather, combine
 from raytrain_ddp.optim import Accumulation, Updater
 from raytrain_ddp.recipe import Recipe
 from raytrain_ddp.timeline import WorkerMarks
@@ -285,7 +286,7 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
         state = ckpt.TrainingState(at.epoch, at.step, worker.updater.state_dict(), list(rng), at.batches, meters)
         name = ckpt.dir_name(at.epoch, at.step, at.batches)
         name = f"{name}-retrained" if name in worker.retrained else name
-        return _save_and_report(metrics, model, state, config.to_dict(), worker.rank, name, config.checkpoint.upload)
+        return _save_and_report(metrics, model, state, config, worker.rank, name)
 
 
 def wrap_model(model: torch.nn.Module, ddp: DDPSettings, compile: bool = False) -> torch.nn.Module:
@@ -407,37 +408,97 @@ def _report_again(opened: ckpt.Opened) -> None:
 
 
 def _save_and_report(
-    metrics: dict[str, Any],
-    model: torch.nn.Module,
-    state: ckpt.TrainingState,
-    config: dict,
-    rank: int,
-    name: str,
-    upload: str,
-) -> Blocked:
-    """Report with rank 0's checkpoint. Returns how long training was blocked.
+    metrics: dict[str, Any], model: torch.nn.Module, state: ckpt.TrainingState, config: Config, rank: int, name: str
+) -> Blocked | None:
+    """Report with rank 0's checkpoint. Returns how long training was blocked, or None when the
+    checkpoint could not be written and the run must stop (every rank then reports why).
 
-    sync: rank 0 writes the checkpoint, and the report returns once it is on storage, whole. Training
-    goes on without waiting for Ray's controller to record it: a worker that dies before it does
-    leaves the checkpoint on storage, where the restart finds it (`_resume`). async: rank 0 writes
-    the checkpoint to a local directory and Ray uploads it (then deletes it) in a background thread;
-    training goes on at once, and a failure before the upload ends resumes from the checkpoint before
-    (the result is the same, the work since is lost)."""
+    Rank 0 writes the checkpoint to a local directory, and `storage.upload` copies it to the run's
+    directory, the manifest last, retrying transient storage errors (checkpoint.upload_retry_s); one
+    that is not transient, or lasts, leaves nothing of it there. sync: the upload ends before the
+    report, so the report returns once the checkpoint is whole on storage. Training goes on without
+    waiting for Ray's controller to record it: a worker that dies before it does leaves the
+    checkpoint on storage, where the restart finds it (`_resume`). A failed upload stops the run:
+    every rank learns it from rank 0 and reports it, and the run's earlier checkpoints are untouched.
+    async: Ray uploads it in a background thread; training goes on at once, and a failure before the
+    upload ends (a failed upload too) fails the attempt, which resumes from the checkpoint before."""
     started = time.perf_counter()
-    mode = CheckpointUploadMode.ASYNC if upload == "async" else CheckpointUploadMode.SYNC
-    checkpoint = None
-    if rank == 0:  # a local directory, which Ray deletes once it has uploaded it
-        directory = tempfile.mkdtemp(prefix=f"raytrain_ddp-{name}-")
-        ckpt.save(directory, model=model, state=state, config=config, metrics=strip_marks(metrics))
-        checkpoint = ray.train.Checkpoint.from_directory(directory)
+    local = None
+    if rank == 0:
+        local = tempfile.mkdtemp(prefix=f"raytrain_ddp-{name}-")
+        ckpt.save(local, model=model, state=state, config=config.to_dict(), metrics=strip_marks(metrics))
+    if config.checkpoint.upload == "async":
+        ray.train.report(
+            metrics | _retried(),
+            checkpoint=None if local is None else ray.train.Checkpoint.from_directory(local),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            delete_local_checkpoint_after_upload=True,
+            checkpoint_upload_fn=lambda checkpoint, _name: _upload(checkpoint.path, name, config),
+        )
+        return Blocked(checkpoint_s=time.perf_counter() - started)
+    uploaded, problem = None, None
+    if local is not None:
+        try:
+            uploaded = _upload(local, name, config)
+        except OSError as e:
+            problem = _upload_failed(name, config, e)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+    problem = all_gather(problem)[0]  # rank 0's
+    if problem is not None:
+        ray.train.report({**metrics, STOPPED: problem})
+        return None
     ray.train.report(
-        metrics,
-        checkpoint=checkpoint,
+        metrics | _retried(),
+        checkpoint=uploaded,
         checkpoint_dir_name=name,
-        checkpoint_upload_mode=mode,
-        delete_local_checkpoint_after_upload=True,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,  # on storage already
     )
     return Blocked(checkpoint_s=time.perf_counter() - started)
+
+
+_storage_retries: list[str] = []  # this worker's retried storage errors, not yet reported
+
+
+def _upload(local: str, name: str, config: Config) -> ray.train.Checkpoint:
+    """Copy the checkpoint written in `local` to the run's directory on storage, as `name`."""
+    run_storage = ray.train.get_context().get_storage()
+    fs, where = run_storage.storage_filesystem, run_storage.build_checkpoint_path_from_name(name)
+    retried: list[str] = []
+    try:
+        storage.upload(local, fs, where, ckpt.FILES, config.checkpoint.upload_retry_s, retried)
+    finally:
+        if retried:
+            _storage_retries.append(f"{name}: {len(retried)} × {retried[-1]}")
+    return ray.train.Checkpoint(where, filesystem=fs)
+
+
+def _retried() -> dict[str, str]:
+    """The storage errors retried since the last report (rank 0's), for the console to warn of."""
+    if not _storage_retries:
+        return {}
+    said = "; ".join(_storage_retries)
+    _storage_retries.clear()
+    return {STORAGE_RETRIED: f"transient storage errors retried: {said}"}
+
+
+def _upload_failed(name: str, config: Config, error: OSError) -> str:
+    """Why the run stops: its checkpoint `name` could not be written to storage."""
+    destination = f"{config.run.storage_path}/{config.run.name}/{name}"
+    if storage.is_full(error):
+        fix = "the storage is full: free space there (or point run.storage_path elsewhere), then resume"
+    elif storage.is_transient(error):
+        fix = (
+            f"the storage kept failing for checkpoint.upload_retry_s={config.checkpoint.upload_retry_s:g} s: "
+            "resume once it answers again"
+        )
+    else:
+        fix = "fix the storage (its permissions, its credentials, the path), then resume"
+    return (
+        f"checkpoint {name} could not be written to {destination} ({type(error).__name__}: {error}); "
+        f"nothing of it was kept and the run's earlier checkpoints are untouched; {fix}"
+    )
 
 
 @contextlib.contextmanager

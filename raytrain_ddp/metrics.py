@@ -47,6 +47,7 @@ FLOP_METRICS = ("model_flops_per_s",)  # when the model's FLOPs are known (flops
 # so not among `reported_metrics` (a score or a check cannot rely on them).
 MFU_METRICS = ("mfu", "mfu_per_worker")
 STOPPED = "stopped"  # only in a report without a checkpoint: why the workers stop the run (see loop.py)
+STORAGE_RETRIED = "storage_retried"  # only in rank 0's report, after transient storage errors were retried
 GENERATED = "generated"  # only in rank 0's report, with a recipe's generate_samples: [{column: text}]
 
 

@@ -12,13 +12,28 @@ and reading them all back from every one.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import secrets
 import socket
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow.fs
 
 PROBE_TIMEOUT_S = 60.0
+# What S3 (through pyarrow's AWS SDK) says when it throttles or is unavailable for a while: worth a
+# retry. Ray Train retries its own uploads on the first five.
+TRANSIENT = (
+    "AWS Error SLOW_DOWN",
+    "AWS Error INTERNAL_FAILURE",
+    "AWS Error SERVICE_UNAVAILABLE",
+    "AWS Error NETWORK_CONNECTION",
+    "AWS Error UNKNOWN",
+    "AWS Error THROTTLING",
+)
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 16.0
 
 
 def is_uri(path: str) -> bool:
@@ -45,6 +60,55 @@ def locate(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     if is_uri(path):
         return pyarrow.fs.FileSystem.from_uri(path)
     return pyarrow.fs.LocalFileSystem(), path
+
+
+def upload(
+    source: str, fs: pyarrow.fs.FileSystem, where: str, files: Sequence[str], retry_s: float, retried: list[str]
+) -> None:
+    """Copy `files` of the local directory `source` to the directory `where` of `fs`, in their order:
+    a checkpoint's manifest goes last, so that nothing there is a checkpoint until it is whole. A
+    transient error (S3 throttling or unavailable: `TRANSIENT`), once pyarrow's S3 client has retried
+    it a few times within a second, is retried with exponential backoff until `retry_s` seconds have
+    passed since the upload began, each retry noted in `retried`. An error that is not transient, or
+    lasts, removes what was written of `where` and raises OSError."""
+    started, backoff = time.monotonic(), FIRST_BACKOFF_S
+
+    def retrying(action, *args, **kwargs) -> None:
+        nonlocal backoff
+        while True:
+            try:
+                return action(*args, **kwargs)
+            except OSError as e:
+                left = retry_s - (time.monotonic() - started)
+                if not is_transient(e) or left <= 0:
+                    raise
+                retried.append(f"{type(e).__name__}: {e}")
+                time.sleep(min(backoff, left))
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+
+    def copy(name: str) -> None:
+        with open(f"{source}/{name}", "rb") as f, fs.open_output_stream(f"{where}/{name}") as out:
+            while chunk := f.read(64 << 20):
+                out.write(chunk)
+
+    try:
+        retrying(fs.create_dir, where, recursive=True)
+        for name in files:
+            retrying(copy, name)
+    except OSError:
+        with contextlib.suppress(OSError):
+            fs.delete_dir(where)
+        raise
+
+
+def is_transient(error: OSError) -> bool:
+    """Whether a storage error may pass if tried again a little later."""
+    return any(token in str(error) for token in TRANSIENT)
+
+
+def is_full(error: OSError) -> bool:
+    """Whether a storage error says the disk is full."""
+    return error.errno == errno.ENOSPC or "No space left on device" in str(error)
 
 
 def check_shared(storage_path: str) -> list[str]:

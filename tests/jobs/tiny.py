@@ -13,6 +13,8 @@ attempts apart). `exit` (os._exit) and `kill` (SIGKILL) fire at pass N only; `ra
 RuntimeError), `nan` (a NaN output) and `noscore` (evaluate drops the `mse` metric) hold from pass
 N on, in every later attempt too.
 
+`model.width` is the hidden layer's width (16; a larger one makes a larger checkpoint).
+
 It counts its own FLOPs (`count_flops`): the one way a CPU run reports model FLOP/s.
 """
 
@@ -34,9 +36,11 @@ from raytrain_ddp import stream
 
 
 class MLP(nn.Module):
-    def __init__(self, dropout: float, unused_branch: bool, faults: list[tuple[str, int, str]], fault_log: str | None):
+    def __init__(
+        self, width: int, dropout: float, unused_branch: bool, faults: list[tuple[str, int, str]], fault_log: str | None
+    ):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
+        self.body = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Dropout(dropout), nn.Linear(width, 1))
         # Parameters that never get a gradient: DDP needs find_unused_parameters=true for them.
         self.unused = nn.Linear(4, 1) if unused_branch else None
         self.faults, self.fault_log = faults, fault_log
@@ -74,6 +78,7 @@ class MLP(nn.Module):
 
 def build_model(
     *,
+    width: int = 16,
     dropout: float = 0.0,
     unused_branch: bool = False,
     faults: list[str] = [],  # noqa: B006 - read, never mutated
@@ -87,7 +92,7 @@ def build_model(
         parsed.append((who, int(n), action))
     if parsed and fault_log is None:
         raise ValueError("faults need a fault_log directory")
-    return MLP(dropout, unused_branch, parsed, fault_log)
+    return MLP(width, dropout, unused_branch, parsed, fault_log)
 
 
 class Rows(Dataset):
@@ -158,7 +163,11 @@ def count_flops(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
     """A training step's FLOPs, in closed form (so a CPU run reports model FLOP/s, see raytrain_ddp/flops.py):
     per row, 2 per weight of the two layers forward, 2 per weight for their gradients, and 2 per weight
     of the second for its input's gradient (the data needs none)."""
-    return FLOPS_PER_ROW * len(batch["x"])
+    return flops_per_row(model.body[0].out_features) * len(batch["x"])
 
 
-FLOPS_PER_ROW = 2 * (4 * 16 + 16) * 2 + 2 * 16
+def flops_per_row(width: int) -> int:
+    return 2 * (4 * width + width) * 2 + 2 * width
+
+
+FLOPS_PER_ROW = flops_per_row(16)  # of the default width

@@ -9,6 +9,7 @@ Each runs with its files in a directory the test owns and is stopped by PID, nev
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import secrets
@@ -18,10 +19,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
@@ -229,6 +232,99 @@ class S3Server:
     def stop(self) -> None:
         if self.process:
             stop_group(self.process)
+
+
+@dataclass
+class FaultyS3:
+    """A proxy in front of an S3 server that answers S3's "503 SlowDown" to the writes (PUT, POST) of
+    keys containing a given text, instead of passing them on: `fail(text, times)` the next `times`
+    writes (None: every write, until `heal()`). `injected` counts the errors it answered. `env`
+    points the standard AWS environment at the proxy."""
+
+    upstream: S3Server
+    port: int = field(default_factory=free_port)
+    injected: int = 0
+    _rules: dict[str, int | None] = field(default_factory=dict)
+    _server: ThreadingHTTPServer | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.upstream.env | {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}"}
+
+    def fail(self, text: str, times: int | None) -> None:
+        self._rules[text] = times
+
+    def heal(self) -> None:
+        self._rules.clear()
+
+    def _fails(self, method: str, path: str) -> bool:
+        if method not in ("PUT", "POST"):
+            return False
+        for text, left in self._rules.items():
+            if text in path and (left is None or left > 0):
+                if left is not None:
+                    self._rules[text] = left - 1
+                self.injected += 1
+                return True
+        return False
+
+    def start(self) -> FaultyS3:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def handle_one(self) -> None:
+                body = self._body()
+                if proxy._fails(self.command, self.path):
+                    said = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(said)))
+                    self.end_headers()
+                    self.wfile.write(said)
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("expect", "transfer-encoding")}
+                if "chunked" in self.headers.get("Transfer-Encoding", ""):
+                    headers["Content-Length"] = str(len(body))
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream.port, timeout=60)
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                answer = upstream.getresponse()
+                data = answer.read()
+                self.send_response(answer.status, answer.reason)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(answer.getheader("Content-Length") or len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+
+            def _body(self) -> bytes:
+                if "chunked" not in self.headers.get("Transfer-Encoding", ""):
+                    return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                chunks = []
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return b"".join(chunks)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = handle_one
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
 
 
 @dataclass

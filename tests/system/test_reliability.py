@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -316,6 +317,62 @@ def test_resources_the_cluster_cannot_hold_are_refused_before_training(ray_sessi
         checkpoints=0,
         versions=0,
         note=f"refused in {seconds:.1f} s",
+    )
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs, unmounted after the test: a disk that fills up. Mounting needs root, which CI has."""
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"could not mount a tmpfs (this test needs root): {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_stops_the_run_keeping_nothing_half_written_and_it_resumes_once_space_is_freed(
+    ray_session, workspace, small_disk, record
+):
+    from raytrain_ddp import RunFailed, run
+
+    width = 65536  # model.pt holds 6 × width + 1 floats: a checkpoint of about 1.6 MB
+    checkpoint_bytes = 4 * (6 * width + 1)
+    filler = small_disk / "filler"  # leaves room for one checkpoint and a half
+    filler.write_bytes(bytes(8 * 2**20 - int(1.5 * checkpoint_bytes)))
+    config = load_config(
+        TINY,
+        overrides=workspace.overrides(
+            f"run.storage_path={small_disk}", "run.name=full", "train.epochs=3", f"model.width={width}", "train.lr=1e-5"
+        ),
+    )
+
+    started = time.monotonic()
+    with pytest.raises(RunFailed) as failed:
+        run(config)
+    seconds = time.monotonic() - started
+
+    message = str(failed.value)
+    assert f"checkpoint epoch_0002 could not be written to {small_disk}/full/epoch_0002" in message
+    assert "No space left on device" in message and "the storage is full: free space there" in message
+    assert "resume: " in message
+    assert _checkpoints(small_disk / "full") == {"epoch_0001": "verified"}  # nothing of epoch_0002 was kept
+
+    filler.unlink()
+    resumed = run(config)
+
+    assert resumed.resumed.checkpoint == "epoch_0001"
+    assert _checkpoints(small_disk / "full") == {"epoch_0002": "verified", "epoch_0003": "verified"}
+    assert _versions(workspace.tracking_uri) == 1
+    record(
+        "storage full (an 8 MiB tmpfs) while checkpoint 2 was written; space freed, run again",
+        attempts="2 runs",
+        resumed="epoch_0001",
+        wasted=0,
+        checkpoints=2,
+        versions=1,
+        note=f"stopped {seconds:.0f} s after the start, at the full disk",
     )
 
 

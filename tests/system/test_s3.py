@@ -1,7 +1,8 @@
 """`run.storage_path: s3://bucket/prefix` against a real S3 server on loopback (moto's server mode),
 found through the standard AWS environment variables: checkpoints, the lease, a failed run resumed by
 a new driver, and the registered model's source all go through S3; MLflow's artifacts too (a real
-`mlflow server` whose artifact store is the same S3)."""
+`mlflow server` whose artifact store is the same S3). S3 that throttles, then fails, is a proxy in
+front of it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import shlex
 
 import pytest
-from services import MLflowServer, S3Server, cli
+from services import FaultyS3, MLflowServer, S3Server, cli
 from test_cli import TINY
 
 
@@ -29,10 +30,17 @@ def mlflow_server(s3, tmp_path_factory):
     server.stop()
 
 
-def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path, record):
+def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_all_through_s3(
+    s3, mlflow_server, tmp_path, record
+):
+    """A proxy in front of S3 answers "503 SlowDown": to 5 writes of epoch 1's model.pt (more than
+    the 3 attempts of pyarrow's own retry strategy: the service retries, and warns), then to every
+    write of epoch 2's checkpoint (S3 down for good: the run stops, and the printed command resumes it
+    once S3 is back)."""
     storage = f"s3://{s3.bucket}/runs"
-    faults = tmp_path / "faults"
-    faults.mkdir()
+    proxy = FaultyS3(s3).start()
+    proxy.fail("runs/on-s3/epoch_0001/model.pt", 5)
+    proxy.fail("runs/on-s3/epoch_0002", None)
     command = [
         "train",
         TINY,
@@ -40,18 +48,26 @@ def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path, re
         f"run.storage_path={storage}",
         f"mlflow.tracking_uri={mlflow_server.url}",
         "train.epochs=3",
-        "model.faults=['1:6:kill']",
-        f"model.fault_log={faults}",  # rank 1 SIGKILLed mid-epoch 2
+        "checkpoint.upload_retry_s=8",
     ]
 
-    killed = cli(*command, cwd=tmp_path, env=s3.env)
-    assert killed.returncode == 1, killed.stderr[-3000:]
-    assert "rank 1: the worker process died" in killed.stderr
-    assert s3.keys("runs/on-s3/epoch_0001/manifest.json")  # the first epoch's checkpoint, on S3
-    assert not s3.keys("runs/on-s3/driver.json")  # the lease let go
-    resume = re.search(r"^resume: (.+)$", killed.stderr, re.M).group(1)
+    try:
+        stopped = cli(*command, cwd=tmp_path, env=proxy.env)
+        throttled = proxy.injected
+        proxy.heal()
+        assert stopped.returncode == 1, stopped.stderr[-3000:]
+        warned = r"^warning: transient storage errors retried: epoch_0001: \d+ × .*SLOW_DOWN"
+        assert re.search(warned, stopped.stdout, re.M), (throttled, stopped.stdout)
+        assert f"checkpoint epoch_0002 could not be written to {storage}/on-s3/epoch_0002 (OSError: " in stopped.stderr
+        assert "the storage kept failing for checkpoint.upload_retry_s=8 s" in stopped.stderr
+        assert s3.keys("runs/on-s3/epoch_0001/manifest.json")  # the first epoch's checkpoint, on S3
+        assert not s3.keys("runs/on-s3/epoch_0002")  # nothing of the second
+        assert not s3.keys("runs/on-s3/driver.json")  # the lease let go
+        resume = re.search(r"^resume: (.+)$", stopped.stderr, re.M).group(1)
 
-    resumed = cli(*shlex.split(resume)[1:], cwd=tmp_path, env=s3.env)  # a new driver, the printed command
+        resumed = cli(*shlex.split(resume)[1:], cwd=tmp_path, env=proxy.env)  # a new driver, the printed command
+    finally:
+        proxy.stop()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from epoch_0001 (epoch 1, step 4)" in resumed.stdout
     assert re.search(r"^  best checkpoint +s3://raytrain/runs/on-s3/epoch_000\d ", resumed.stdout, re.M)
@@ -66,9 +82,11 @@ def test_fit_kill_resume_register_all_through_s3(s3, mlflow_server, tmp_path, re
     assert [key for key in s3.keys("mlflow/") if key.endswith("/MLmodel")]  # MLflow's artifacts, in S3 too
     assert client.get_run(version.run_id).info.status == "FINISHED"
     record(
-        "rank 1 SIGKILLed mid-epoch 2 (max_failures=0), storage on S3 (moto); the printed command run again",
+        "S3 throttled (503 SlowDown) at checkpoint 1, then down at checkpoint 2 (upload_retry_s=8); "
+        "the printed command run again",
         attempts="2 drivers",
         resumed="epoch_0001 (step 4), from S3",
         versions=1,
         checkpoints=len({key.split("/")[2] for key in s3.keys("runs/on-s3/epoch_")}),
+        note=f"{throttled} writes refused; checkpoint 1 retried and kept",
     )
