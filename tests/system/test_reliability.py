@@ -369,7 +369,7 @@ def test_a_full_disk_stops_the_run_keeping_nothing_half_written_and_it_resumes_o
         "storage full (an 8 MiB tmpfs) while checkpoint 2 was written; space freed, run again",
         attempts="2 runs",
         resumed="epoch_0001",
-        wasted=0,
+        wasted="4 (epoch 2 again)",
         checkpoints=2,
         versions=1,
         note=f"stopped {seconds:.0f} s after the start, at the full disk",

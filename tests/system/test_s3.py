@@ -86,6 +86,7 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
         "the printed command run again",
         attempts="2 drivers",
         resumed="epoch_0001 (step 4), from S3",
+        wasted="4 (epoch 2 again)",
         versions=1,
         checkpoints=len({key.split("/")[2] for key in s3.keys("runs/on-s3/epoch_")}),
         note=f"{throttled} writes refused; checkpoint 1 retried and kept",
