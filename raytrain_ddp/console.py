@@ -62,6 +62,7 @@ class LiveProgress:
         self.best = None if plan.resume.best is None else rank(plan.resume.best, self.score, self.order)
         self.failures: list[str] = []  # every failed attempt, preemptions included
         self._counted = 0  # those that count against run.max_failures (not preemptions)
+        self.lost: list[str] = []  # the nodes lost with the latest failed attempt, described
         self.stopped: str | None = None
         self.config, self.gave_up = config, None  # gave_up: why the driver ended the run, if it did
         self._controller = None  # Ray Train's controller actor (ControllerMarks sends it)
@@ -220,7 +221,7 @@ class LiveProgress:
 
     def _failed(self, errors: dict[int, str], latest: str | None) -> None:
         what = "; ".join(f"rank {rank}: {error}" for rank, error in errors.items())
-        lost = capacity.lost_nodes(self._worker_nodes)
+        lost = self.lost = capacity.lost_nodes(self._worker_nodes)
         if lost:  # the other ranks' errors (a collective cut short) follow from it
             what = "; ".join(lost) + f" ({what})"
         left = self.max_failures - self._counted - 1
@@ -259,10 +260,13 @@ def show_plan(console: Console, plan: Plan) -> None:
         console.print(f"[dim]{escape(plan.flops.describe())}[/]", highlight=False)
 
 
-def describe_failure(error: BaseException, max_failures: int, failed_attempts: int) -> str:
-    """What failed, on which rank, after how many attempts: one line per rank, not Ray's tracebacks."""
+def describe_failure(error: BaseException, max_failures: int, failed_attempts: int, lost: list[str] = ()) -> str:
+    """What failed (the `lost` nodes first, whose loss the ranks' errors follow from), on which rank,
+    after how many attempts: one line per rank, not Ray's tracebacks."""
     if isinstance(error, WorkerGroupError):
         ranks = "; ".join(f"rank {rank}: {one_line(e)}" for rank, e in sorted(error.worker_failures.items()))
+        if lost:
+            ranks = "; ".join(lost) + f" ({ranks})"
         return f"{ranks} (attempt {max(failed_attempts, 1)}; run.max_failures={max_failures})"
     return str(error)
 

@@ -118,7 +118,8 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
         elif progress.gave_up is not None:  # the driver ended it: its workers' resources never came
             what = f"failed: {progress.gave_up}"
         else:
-            what = f"failed: {ui.describe_failure(e, config.run.max_failures, len(progress.failures))}"
+            failed = ui.describe_failure(e, config.run.max_failures, len(progress.failures), progress.lost)
+            what = f"failed: {failed}"
             what += _keep_tracebacks(plan, e, console if verbose else None)
         raise (RunInterrupted if interrupted else RunFailed)(
             f"run {config.run.name} {what}\ncheckpoints so far: {plan.run_path}\nresume: {plan.resume_command}"

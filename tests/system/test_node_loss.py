@@ -10,13 +10,13 @@ there.
   restart from it at the deadline is not charged to run.max_failures;
 - a second run whose workers do not fit next to the first's: it says which run holds the resources,
   and gives up after run.resources_wait_s with the command that resumes it; with
-  run.resources_wait_s=0 it is refused at once.
+  run.resources_wait_s=0 it is refused at once. Then the first run loses its node with no restart
+  left: its final error names the node.
 """
 
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -198,9 +198,10 @@ def test_a_run_that_does_not_fit_next_to_another_names_it_and_gives_up_or_is_ref
             refused = pool.submit(_train, cluster, tmp_path, "run.name=third", "run.resources_wait_s=0").result()
             refused_s = time.monotonic() - started
             waited = waits.result()
-    finally:
-        holder.send_signal(signal.SIGINT)
-        holder.communicate(timeout=120)
+    finally:  # then the holder loses its worker node, with no restart allowed (run.max_failures=0)
+        for name in list(cluster.workers):
+            cluster.kill_node(name)
+        held = holder.communicate(timeout=120)[0]
 
     assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
     assert "run.resources_wait_s=0 and the workers do not fit now: 2 workers × {CPU: 1.5}" in refused.stderr
@@ -212,6 +213,10 @@ def test_a_run_that_does_not_fit_next_to_another_names_it_and_gives_up_or_is_ref
     assert "the workers' resources did not come within 8 s (run.resources_wait_s)" in said
     assert re.search(r"held by run holder \(job \w+, 2 workers × \{CPU: 1\.5\}\)", said), said[-3000:]
     assert re.search(r"^resume: raytrain-ddp train .* run\.name=second", waited.stderr, re.M), waited.stderr[-3000:]
+
+    assert holder.returncode == 1, held[-3000:]  # the final failure names the lost node, as each failure line does
+    final = r"^error: run holder failed: node \S+ \(id \w{8}\) was lost, with rank [01] \(rank"
+    assert re.search(final, held, re.M), held[-3000:]
     record(
         "a second run's workers do not fit next to a running one",
         attempts=1,
