@@ -301,32 +301,52 @@ def open_resume_point(
     latest: ray.train.Checkpoint | None,
     committed: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]],
     unrecorded: Iterable[ray.train.Checkpoint] = (),
+    world_size: int | None = None,
 ) -> Iterator[Opened | None]:
     """Open the checkpoint a run resumes from: the newest of its `unrecorded` ones that verifies (one
     that does not was never whole: passed over in silence), else Ray's latest committed one or, where
     that is damaged, the newest of the run's other committed checkpoints (with their metrics) that
-    verifies; None for a run with no checkpoint recorded nor whole. The driver (from the run's
-    record) and the workers (from Ray Train's context) both decide it here."""
+    verifies; None for a run with no checkpoint recorded nor whole. On `world_size` workers, a
+    mid-epoch checkpoint of another number of workers is passed over too (`resumable_on`). The driver
+    (from the run's record) and the workers (from Ray Train's context) both decide it here."""
+    skipped = []
     for checkpoint in unrecorded:
         with checkpoint.as_directory() as directory:
             try:
                 verified = open_verified(directory)
             except CheckpointError:
                 continue
-            yield Opened(checkpoint, verified, [], recorded=False)
+            if (why := resumable_on(checkpoint, verified, world_size)) is not None:
+                skipped.append(Skipped(location(checkpoint), why))
+                continue
+            yield Opened(checkpoint, verified, skipped, recorded=False)
             return
     if latest is None:
         yield None
         return
     older = [checkpoint for checkpoint in newest_first(committed) if checkpoint.path != latest.path]
-    with open_first_verified([latest, *older]) as opened:
-        yield opened
+    with open_first_verified([latest, *older], world_size) as opened:
+        yield Opened(opened.checkpoint, opened.verified, skipped + opened.skipped)
+
+
+def resumable_on(checkpoint: ray.train.Checkpoint, verified: Verified, world_size: int | None) -> str | None:
+    """Why a run on `world_size` workers cannot resume from `checkpoint`, if it cannot: one taken
+    mid-epoch is a position in the data of the workers that wrote it (an epoch's end is one for any
+    number of workers, see preflight's rule for resizing a run)."""
+    where = position(Path(checkpoint.path).name)
+    if world_size is None or where is None or where[1] == 1:
+        return None
+    wrote = verified.config()["scaling"]["num_workers"]
+    if wrote == world_size:
+        return None
+    return f"mid-epoch, a position in the data of {wrote} workers, not {world_size}"
 
 
 @contextlib.contextmanager
-def open_first_verified(checkpoints: Iterable[ray.train.Checkpoint]) -> Iterator[Opened]:
+def open_first_verified(checkpoints: Iterable[ray.train.Checkpoint], world_size: int | None = None) -> Iterator[Opened]:
     """Open the first of `checkpoints` that verifies (downloaded, if the storage is remote, for as long
-    as the context lasts). Raises NoValidCheckpoint, listing what is wrong with each, if none does."""
+    as the context lasts) and, given `world_size`, is `resumable_on` it. Raises NoValidCheckpoint,
+    listing what is wrong with each, if none is."""
     skipped = []
     for checkpoint in checkpoints:
         with checkpoint.as_directory() as directory:
@@ -335,9 +355,14 @@ def open_first_verified(checkpoints: Iterable[ray.train.Checkpoint]) -> Iterator
             except CheckpointError as e:
                 skipped.append(Skipped(location(checkpoint), str(e)))
                 continue
+            if (why := resumable_on(checkpoint, verified, world_size)) is not None:
+                skipped.append(Skipped(location(checkpoint), why))
+                continue
             yield Opened(checkpoint, verified, skipped)
             return
-    raise NoValidCheckpoint("not one checkpoint verifies: " + "; ".join(str(s) for s in skipped))
+    resized = any(s.reason.startswith("mid-epoch") for s in skipped)
+    said = "not one checkpoint verifies" + (f" and is resumable on {world_size} workers" if resized else "")
+    raise NoValidCheckpoint(f"{said}: " + "; ".join(str(s) for s in skipped))
 
 
 def rng_state() -> dict[str, Any]:

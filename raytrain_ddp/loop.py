@@ -99,10 +99,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     updater = Updater(model, config.train, accumulation.steps, device)
 
     # 2. Resume where the newest checkpoint that verifies left off (to the micro-batch, with every
-    #    rank's random state), or seed this rank's own random stream.
+    #    rank's random state), or seed this rank's own random stream: for a new run, or from the
+    #    epoch on for a run resumed on another number of workers (at an epoch's end: pre-flight).
     start, retrained = _resume(model, updater, config, worker_data.world_size)
-    if start is not None:
+    if start is not None and len(start.rng) == worker_data.world_size:
         ckpt.set_rng_state(start.rng[rank])
+    elif start is not None:
+        _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank, start.epoch))
     else:
         start = ckpt.TrainingState(epoch=0, step=0, updater={}, rng=[])
         _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank))
@@ -370,7 +373,8 @@ def _resume(
     if latest is None and not unrecorded:
         return None, frozenset()
     committed = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
-    with ckpt.open_resume_point(latest, ((c.checkpoint, c.metrics) for c in committed), unrecorded) as opened:
+    committed = ((c.checkpoint, c.metrics) for c in committed)
+    with ckpt.open_resume_point(latest, committed, unrecorded, world_size) as opened:
         if opened is None:  # nothing recorded, and nothing written whole
             return None, frozenset()
         for skipped in opened.skipped:
@@ -384,10 +388,10 @@ def _resume(
         state = opened.verified.training_state()
         if not opened.recorded:
             _report_again(opened)
-    if len(state.rng) != world_size:
+    if len(state.rng) != world_size and state.batches:  # open_resume_point passes them over
         raise RuntimeError(
-            f"checkpoint was written by {len(state.rng)} workers, this run has {world_size}; "
-            f"resume with scaling.num_workers={len(state.rng)} or start a new run"
+            f"checkpoint {opened.name} is mid-epoch, written by {len(state.rng)} workers; this run has "
+            f"{world_size}: resume with scaling.num_workers={len(state.rng)} to the epoch's end"
         )
     updater.load_state_dict(state.updater)
     return state, frozenset(skipped.name for skipped in opened.skipped)

@@ -229,7 +229,7 @@ def _resume_point(run_path: str, config: Config) -> ResumePoint:
     c = config.checkpoint
     best = ckpt.best_first(committed, c.score_attribute, c.score_order)[0][1] if committed else None
     try:
-        with ckpt.open_resume_point(latest, committed, unrecorded) as opened:
+        with ckpt.open_resume_point(latest, committed, unrecorded, config.scaling.num_workers) as opened:
             if opened is None:  # nothing recorded, and nothing written whole: a new run
                 return ResumePoint()
             metrics = opened.verified.metrics()

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 # Keys a resumed run may change: they do not change what is computed, only how long, where, and what
 # is kept or logged. Anything else would be silently overridden by the restored optimizer state or
-# break exact resume (data order depends on num_workers), so changing it means starting a new run.
+# break exact resume, so changing it means starting a new run. The number of workers is the one
+# exception, with its own rule (`_resized`): it may change at an epoch's end, keeping the global batch.
 RESUMABLE = (
     "train.epochs",
     "train.eval_batch_size",
@@ -412,19 +413,43 @@ def check_labels(config: Config) -> list[str]:
 
 
 def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:
-    """What `config` changes, against the config saved in the run's latest checkpoint, that a resume
-    may not change; one line per key."""
+    """What `config` changes, against the config saved in the checkpoint the run resumes from, that a
+    resume may not change; one line per key."""
     before = {".".join(path): value for path, value in flatten(saved).items()}
     after = config.flat()
     # A key the saved config lacks was added to the schema after the run started, which then
     # trained as its default says (train.compile: false).
     defaults = Config(job=config.job).flat()
     was = {key: before.get(key, defaults.get(key)) for key in set(before) | set(after)}
-    return [
+    resizing = ("scaling.num_workers", "train.grad_accum_steps")
+    return _resized(*(was[key] for key in resizing), config) + [
         f"{key}: was {was[key]!r} when the run started, now {after.get(key)!r}; a resumed run keeps it"
         for key in sorted(was)
-        if was[key] != after.get(key) and not key.startswith(RESUMABLE)
+        if was[key] != after.get(key) and not key.startswith(RESUMABLE) and key not in resizing
     ]
+
+
+def _resized(workers: int, accumulation: int, config: Config) -> list[str]:
+    """A run may resume on another number of workers keeping its global batch (batch_size × workers ×
+    grad_accum_steps rows a step): the same optimizer steps an epoch, the same schedule, and each
+    rank's share of an epoch drawn afresh from (seed, epoch). It resumes at an epoch's end: a
+    mid-epoch position names what each of the old ranks had read (`checkpoint.resumable_on`)."""
+    now_workers, now_accumulation = config.scaling.num_workers, config.train.grad_accum_steps
+    if (now_workers, now_accumulation) == (workers, accumulation):
+        return []
+    per_step = workers * accumulation
+    was = f"{workers} workers × train.grad_accum_steps {accumulation}"
+    if now_workers * now_accumulation != per_step:
+        fix = (
+            f"with {now_workers} workers set train.grad_accum_steps={per_step // now_workers}"
+            if per_step % now_workers == 0
+            else f"use a number of workers that divides {per_step}"
+        )
+        return [
+            f"scaling.num_workers: the run steps on {per_step} micro-batches of train.batch_size ({was}); "
+            f"{now_workers} workers × train.grad_accum_steps {now_accumulation} would change its global batch: {fix}"
+        ]
+    return []
 
 
 def _node_shapes(config) -> list[tuple[dict[str, float], int]]:

@@ -9,7 +9,8 @@ drives the model's initialization, the shuffle and dropout, through the service.
 Faults (`model.faults`, with `model.fault_log` a directory the test owns) are "RANK:N:ACTION": when
 rank RANK (or `*`, every rank) makes its N-th training forward pass, counted over all attempts of
 the run (each pass appends the worker's pid to fault_log/rank<R>.log, so the log also tells the
-attempts apart). `exit` (os._exit) and `kill` (SIGKILL) fire at pass N only; `raise` (a
+attempts apart; and its rows' first features, which tell rows apart, to fault_log/rows<R>.log).
+`exit` (os._exit) and `kill` (SIGKILL) fire at pass N only; `raise` (a
 RuntimeError), `nan` (a NaN output) and `noscore` (evaluate drops the `mse` metric) hold from pass
 N on, in every later attempt too.
 
@@ -50,15 +51,17 @@ class MLP(nn.Module):
         out = self.body(x).squeeze(1)
         # Passes of the training workers only (in a process group): not the driver's pre-flight pass.
         in_training = self.training and torch.distributed.is_initialized()
-        return self._inject(out) if in_training and self.fault_log else out
+        return self._inject(x, out) if in_training and self.fault_log else out
 
-    def _inject(self, out: torch.Tensor) -> torch.Tensor:
+    def _inject(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         import ray.train
 
         rank = ray.train.get_context().get_world_rank()
         log = Path(self.fault_log) / f"rank{rank}.log"
         with log.open("a") as f:
             f.write(f"{os.getpid()}\n")
+        with (Path(self.fault_log) / f"rows{rank}.log").open("a") as f:  # each row by its first feature
+            f.write(" ".join(f"{v:.6f}" for v in x[:, 0].tolist()) + "\n")
         passes = len(log.read_text().split())
         for who, n, action in self.faults:
             if who not in ("*", str(rank)):

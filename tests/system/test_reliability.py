@@ -320,6 +320,58 @@ def test_resources_the_cluster_cannot_hold_are_refused_before_training(ray_sessi
     )
 
 
+def test_a_run_resumed_on_half_the_workers_keeps_its_global_batch_and_trains_each_row_once_an_epoch(
+    ray_session, workspace, record
+):
+    """2 workers, a checkpoint every 2 steps, rank 1 killed at the end of epoch 2 (its newest
+    checkpoint mid-epoch); then 1 worker accumulating 2 micro-batches a step: it resumes from the end
+    of epoch 1 (the mid-epoch position is one in the 2 workers' data), with the same 4 optimizer steps
+    an epoch, and trains epochs 2 and 3 with each of their 64 rows once."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ddp import RunFailed, run
+
+    def resumed(*overrides: str):
+        settings = ("run.name=resized", "train.epochs=3", "checkpoint.every_n_steps=2", "checkpoint.num_to_keep=null")
+        return run(
+            load_config(TINY, overrides=workspace.overrides(*settings, *_faults(workspace, "'1:8:kill'"), *overrides))
+        )
+
+    with pytest.raises(RunFailed):
+        resumed()
+    faults = workspace.root / "faults"
+    rows = {row for rank in (0, 1) for row in (faults / f"rows{rank}.log").read_text().split()}  # both ranks'
+    for log in faults.glob("*.log"):
+        log.rename(log.with_suffix(".first"))
+    with pytest.raises(ConfigError, match="scaling.num_workers: the run steps on 2 micro-batches"):
+        resumed("scaling.num_workers=1")  # without the accumulation that keeps the global batch
+
+    done = resumed("scaling.num_workers=1", "train.grad_accum_steps=2")
+
+    assert done.resumed.checkpoint == "epoch_0001"
+    assert done.resumed.skipped == ["epoch_0002-step_0000006: mid-epoch, a position in the data of 2 workers, not 1"]
+    trained = (faults / "rows0.log").read_text().split()
+    assert not (faults / "rows1.log").exists()  # one rank
+    assert len(rows) == 64 and sorted(trained[:64]) == sorted(trained[64:]) == sorted(rows)  # each row once an epoch
+    run_dir = workspace.storage / "resized"
+    assert ckpt.open_verified(run_dir / "epoch_0003").metrics()["step"] == 12  # 4 steps an epoch, as on 2 workers
+    checkpoints = _checkpoints(run_dir)
+    assert "epoch_0002-step_0000006-retrained" in checkpoints and set(checkpoints.values()) == {"verified"}
+    client = MlflowClient(workspace.tracking_uri)
+    [mlflow_run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert mlflow_run.data.tags["changed_on_resume.scaling.num_workers"] == "1"
+    record(
+        "rank 1 SIGKILLed at the end of epoch 2 (newest checkpoint mid-epoch); resumed by hand on 1 worker × 2 "
+        "accumulated",
+        attempts="2 runs",
+        resumed="epoch_0001 (passing over epoch_0002-step_0000006)",
+        wasted=2,
+        checkpoints=len(checkpoints),
+        versions=1,
+        note="4 steps an epoch on both; epochs 2 and 3: 64 rows each once",
+    )
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """An 8 MiB tmpfs, unmounted after the test: a disk that fills up. Mounting needs root, which CI has."""

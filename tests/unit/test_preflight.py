@@ -209,3 +209,21 @@ def test_a_resume_may_not_switch_compile_on_and_a_run_older_than_the_key_resumes
     assert resume_conflicts(saved, config) == []
     [conflict] = resume_conflicts(saved, with_overrides(config, "train.compile=true"))
     assert conflict == "train.compile: was False when the run started, now True; a resumed run keeps it"
+
+
+def test_a_resume_may_change_the_workers_keeping_the_global_batch(tmp_path):
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = with_overrides(load_config(str(tmp_path / "job.py")), "scaling.num_workers=2")
+    saved = config.to_dict()  # 2 workers × 1 micro-batch a step
+
+    halved = with_overrides(config, "scaling.num_workers=1", "train.grad_accum_steps=2")
+    assert resume_conflicts(saved, halved) == []
+    [alone] = resume_conflicts(saved, with_overrides(config, "scaling.num_workers=1"))
+    assert alone.endswith(
+        "1 workers × train.grad_accum_steps 1 would change its global batch: "
+        "with 1 workers set train.grad_accum_steps=2"
+    )
+    [three] = resume_conflicts(saved, with_overrides(config, "scaling.num_workers=3"))
+    assert three.endswith("use a number of workers that divides 2")
+    [accumulation] = resume_conflicts(saved, with_overrides(config, "train.grad_accum_steps=2"))
+    assert accumulation.startswith("scaling.num_workers: the run steps on 2 micro-batches of train.batch_size")
