@@ -252,7 +252,7 @@ def show_plan(console: Console, plan: Plan) -> None:
         f"checkpoints in {plan.run_path}"
     )
     for skipped in resume.skipped:
-        console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(skipped))}")
+        console.print(f"[yellow]skipped checkpoint[/] {escape(str(skipped))}")
     for name, dataset in plan.datasets.items():
         for skipped in dataset.manifest.skipped if isinstance(dataset, stream.Stream) else ():
             console.print(f"[yellow]skipped unreadable {name} file[/] {escape(skipped)}")

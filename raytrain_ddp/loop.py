@@ -378,7 +378,7 @@ def _resume(
         if opened is None:  # nothing recorded, and nothing written whole
             return None, frozenset()
         for skipped in opened.skipped:
-            logger.warning("skipping a damaged checkpoint: %s", skipped)
+            logger.warning("skipping checkpoint %s", skipped)
         chosen = all_gather(opened.name)
         if len(set(chosen)) != 1:
             raise ckpt.CheckpointError(
