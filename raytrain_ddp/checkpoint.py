@@ -57,6 +57,7 @@ METRICS_FILE = "metrics.json"
 MANIFEST_FILE = "manifest.json"
 PARTS = (MODEL_FILE, STATE_FILE, CONFIG_FILE, METRICS_FILE)
 FILES = (*PARTS, MANIFEST_FILE)  # in the order they are written and uploaded: the manifest last
+MID_EPOCH = "mid-epoch"  # why a checkpoint of another number of workers is passed over (`resumable_on`)
 
 
 class CheckpointError(RuntimeError):
@@ -322,6 +323,8 @@ def open_resume_point(
             yield Opened(checkpoint, verified, skipped, recorded=False)
             return
     if latest is None:
+        if skipped:  # whole, but not for this number of workers: not a new run either
+            raise NoValidCheckpoint(_none_resumable(skipped, world_size))
         yield None
         return
     older = [checkpoint for checkpoint in newest_first(committed) if checkpoint.path != latest.path]
@@ -339,7 +342,7 @@ def resumable_on(checkpoint: ray.train.Checkpoint, verified: Verified, world_siz
     wrote = verified.config()["scaling"]["num_workers"]
     if wrote == world_size:
         return None
-    return f"mid-epoch, a position in the data of {wrote} workers, not {world_size}"
+    return f"{MID_EPOCH}, a position in the data of {wrote} workers, not {world_size}"
 
 
 @contextlib.contextmanager
@@ -360,9 +363,18 @@ def open_first_verified(checkpoints: Iterable[ray.train.Checkpoint], world_size:
                 continue
             yield Opened(checkpoint, verified, skipped)
             return
-    resized = any(s.reason.startswith("mid-epoch") for s in skipped)
-    said = "not one checkpoint verifies" + (f" and is resumable on {world_size} workers" if resized else "")
-    raise NoValidCheckpoint(f"{said}: " + "; ".join(str(s) for s in skipped))
+    raise NoValidCheckpoint(_none_resumable(skipped, world_size))
+
+
+def _none_resumable(skipped: list[Skipped], world_size: int | None) -> str:
+    resized = any(s.reason.startswith(MID_EPOCH) for s in skipped)
+    said = "not one checkpoint verifies" + (
+        f" and is resumable on {world_size} workers (resume on the number that wrote the newest, to its "
+        "epoch's end, then change it)"
+        if resized
+        else ""
+    )
+    return f"{said}: " + "; ".join(str(s) for s in skipped)
 
 
 def rng_state() -> dict[str, Any]:

@@ -172,8 +172,8 @@ class CheckpointSettings(_Section):
         60,
         ge=0,
         description="how long a checkpoint's upload retries transient storage errors (S3 throttling or "
-        "unavailable), with backoff, before the run stops naming the error; other storage errors (a full disk, "
-        "no permission) stop it at once",
+        "unavailable) in a row, with backoff, before the run stops naming the error (upload: async fails the "
+        "attempt instead); a full disk or no permission stops it at once; 0 = no retries",
     )
     preemption_check_steps: int = Field(
         10,

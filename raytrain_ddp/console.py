@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray.train
@@ -260,7 +260,7 @@ def show_plan(console: Console, plan: Plan) -> None:
         console.print(f"[dim]{escape(plan.flops.describe())}[/]", highlight=False)
 
 
-def describe_failure(error: BaseException, max_failures: int, failed_attempts: int, lost: list[str] = ()) -> str:
+def describe_failure(error: BaseException, max_failures: int, failed_attempts: int, lost: Sequence[str] = ()) -> str:
     """What failed (the `lost` nodes first, whose loss the ranks' errors follow from), on which rank,
     after how many attempts: one line per rank, not Ray's tracebacks."""
     if isinstance(error, WorkerGroupError):

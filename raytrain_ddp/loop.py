@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import os
+import queue
 import random
 import shutil
 import tempfile
@@ -419,13 +420,15 @@ def _save_and_report(
 
     Rank 0 writes the checkpoint to a local directory, and `storage.upload` copies it to the run's
     directory, the manifest last, retrying transient storage errors (checkpoint.upload_retry_s); one
-    that is not transient, or lasts, leaves nothing of it there. sync: the upload ends before the
-    report, so the report returns once the checkpoint is whole on storage. Training goes on without
-    waiting for Ray's controller to record it: a worker that dies before it does leaves the
-    checkpoint on storage, where the restart finds it (`_resume`). A failed upload stops the run:
-    every rank learns it from rank 0 and reports it, and the run's earlier checkpoints are untouched.
-    async: Ray uploads it in a background thread; training goes on at once, and a failure before the
-    upload ends (a failed upload too) fails the attempt, which resumes from the checkpoint before."""
+    that is not transient, or lasts, leaves nothing of it that looks like a checkpoint. sync: the
+    upload ends before the report, so the report returns once the checkpoint is whole on storage.
+    Training goes on without waiting for Ray's controller to record it: a worker that dies before it
+    does leaves the checkpoint on storage, where the restart finds it (`_resume`). Every rank learns
+    from rank 0 how the upload went: a storage that stays down, is full or refuses this writer stops
+    the run (a restart would train again to the same failed write), any other error fails the
+    attempt on every rank (Ray restarts it, within run.max_failures). async: Ray uploads it in a
+    background thread; training goes on at once, and a failure before the upload ends (a failed
+    upload too) fails the attempt, which resumes from the checkpoint before."""
     started = time.perf_counter()
     local = None
     if rank == 0:
@@ -438,18 +441,18 @@ def _save_and_report(
             checkpoint_dir_name=name,
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             delete_local_checkpoint_after_upload=True,
-            checkpoint_upload_fn=lambda checkpoint, _name: _upload(checkpoint.path, name, config),
+            checkpoint_upload_fn=lambda checkpoint, _name: _upload(checkpoint.path, name, config, by_ray=True),
         )
         return Blocked(checkpoint_s=time.perf_counter() - started)
-    uploaded, problem = None, None
+    uploaded, failed = None, None
     if local is not None:
         try:
             uploaded = _upload(local, name, config)
         except OSError as e:
-            problem = _upload_failed(name, config, e)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-    problem = all_gather(problem)[0]  # rank 0's
+            failed = _upload_failed(name, config, e)
+    stops, problem = all_gather(failed)[0] or (False, None)  # rank 0's
+    if problem is not None and not stops:
+        raise RuntimeError(problem)
     if problem is not None:
         ray.train.report({**metrics, STOPPED: problem})
         return None
@@ -462,46 +465,58 @@ def _save_and_report(
     return Blocked(checkpoint_s=time.perf_counter() - started)
 
 
-_storage_retries: list[str] = []  # this worker's retried storage errors, not yet reported
+_storage_retries: queue.SimpleQueue[str] = queue.SimpleQueue()  # retried storage errors, not yet reported
 
 
-def _upload(local: str, name: str, config: Config) -> ray.train.Checkpoint:
-    """Copy the checkpoint written in `local` to the run's directory on storage, as `name`."""
+def _upload(local: str, name: str, config: Config, by_ray: bool = False) -> ray.train.Checkpoint:
+    """Copy the checkpoint written in `local` to the run's directory on storage, as `name`, then
+    remove `local`. `by_ray`: the upload is Ray's (async), which removes `local` once it succeeds and
+    may call again after a transient error, so `local` stays until then."""
     run_storage = ray.train.get_context().get_storage()
     fs, where = run_storage.storage_filesystem, run_storage.build_checkpoint_path_from_name(name)
     retried: list[str] = []
     try:
+        run_storage._check_validation_file()  # as Ray's own upload does: this node sees the run's storage
         storage.upload(local, fs, where, ckpt.FILES, config.checkpoint.upload_retry_s, retried)
+    except OSError as e:
+        if by_ray and not storage.is_transient(e):  # Ray will not call again
+            shutil.rmtree(local, ignore_errors=True)
+        raise
     finally:
+        if not by_ray:
+            shutil.rmtree(local, ignore_errors=True)
         if retried:
-            _storage_retries.append(f"{name}: {len(retried)} × {retried[-1]}")
+            _storage_retries.put(f"{name}: {len(retried)} × {retried[-1]}")
     return ray.train.Checkpoint(where, filesystem=fs)
 
 
 def _retried() -> dict[str, str]:
-    """The storage errors retried since the last report (rank 0's), for the console to warn of."""
-    if not _storage_retries:
-        return {}
-    said = "; ".join(_storage_retries)
-    _storage_retries.clear()
-    return {STORAGE_RETRIED: f"transient storage errors retried: {said}"}
+    """The storage errors retried since the last report (rank 0's; with checkpoint.upload=async, those
+    of the uploads before this one), for the console to warn of."""
+    said = []
+    while not _storage_retries.empty():
+        said.append(_storage_retries.get())
+    return {STORAGE_RETRIED: f"transient storage errors retried: {'; '.join(said)}"} if said else {}
 
 
-def _upload_failed(name: str, config: Config, error: OSError) -> str:
-    """Why the run stops: its checkpoint `name` could not be written to storage."""
+def _upload_failed(name: str, config: Config, error: OSError) -> tuple[bool, str]:
+    """Whether the run stops, and why: its checkpoint `name` could not be written to storage."""
     destination = f"{config.run.storage_path}/{config.run.name}/{name}"
+    stops = True
     if storage.is_full(error):
         fix = "the storage is full: free space there (or point run.storage_path elsewhere), then resume"
+    elif storage.is_refused(error):
+        fix = "this writer may not write there: fix the storage's permissions or credentials, then resume"
     elif storage.is_transient(error):
         fix = (
             f"the storage kept failing for checkpoint.upload_retry_s={config.checkpoint.upload_retry_s:g} s: "
             "resume once it answers again"
         )
     else:
-        fix = "fix the storage (its permissions, its credentials, the path), then resume"
-    return (
-        f"checkpoint {name} could not be written to {destination} ({type(error).__name__}: {error}); "
-        f"nothing of it was kept and the run's earlier checkpoints are untouched; {fix}"
+        stops, fix = False, f"the attempt fails (run.max_failures={config.run.max_failures} restarts)"
+    return stops, (
+        f"checkpoint {name} could not be written to {destination} ({type(error).__name__}: {error}); nothing of "
+        f"it is a resume point and the run's earlier checkpoints are untouched; {fix}"
     )
 
 

@@ -29,6 +29,7 @@ from raytrain_ddp import capacity, data, flops, lease, ray_address, session, sto
 from raytrain_ddp.config import Config, ConfigError, flatten
 from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.metrics import reported_metrics
+from raytrain_ddp.optim import optimizer_steps
 from raytrain_ddp.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ def check(plan: Plan) -> ModelFlops:
     problems = (
         check_score(config, checked.reported)
         + check_batches(config, plan.train_rows)
+        + check_resize(config, plan.resume.saved_config, plan.train_rows)
         + check_resources(config, plan.datasets)
         + check_labels(config)
         + check_free_now(config)
@@ -206,6 +208,27 @@ def check_batches(config: Config, train_rows: int) -> list[str]:
             f"batch(es) of {t.batch_size} an epoch; lower it to <= {batches} or the batch size"
         )
     return problems
+
+
+def check_resize(config: Config, saved: Mapping[str, Any] | None, train_rows: int) -> list[str]:
+    """A run resumed on another number of workers (`_resized`) must make the same optimizer steps an
+    epoch, or its learning-rate schedule would shift: how the rows round into batches may differ."""
+    if saved is None:
+        return []
+    t = config.train
+    was = (saved["scaling"]["num_workers"], saved["train"].get("grad_accum_steps", 1))
+    now = (config.scaling.num_workers, t.grad_accum_steps)
+
+    def steps(workers: int, accumulation: int) -> int:
+        return optimizer_steps(data.batches_per_epoch(train_rows, workers, t.batch_size, t.drop_last), accumulation)
+
+    if was == now or steps(*was) == steps(*now):
+        return []
+    return [
+        f"scaling.num_workers: {train_rows} training rows make {steps(*now)} optimizer steps an epoch on {now[0]} "
+        f"workers × train.grad_accum_steps {now[1]}, the run made {steps(*was)} on {was[0]} × {was[1]}: its "
+        "learning-rate schedule would shift; resume on a number of workers that splits the rows the same way"
+    ]
 
 
 class _RecipeCalls:

@@ -68,18 +68,19 @@ def upload(
     """Copy `files` of the local directory `source` to the directory `where` of `fs`, in their order:
     a checkpoint's manifest goes last, so that nothing there is a checkpoint until it is whole. A
     transient error (S3 throttling or unavailable: `TRANSIENT`), once pyarrow's S3 client has retried
-    it a few times within a second, is retried with exponential backoff until `retry_s` seconds have
-    passed since the upload began, each retry noted in `retried`. An error that is not transient, or
-    lasts, removes what was written of `where` and raises OSError."""
-    started, backoff = time.monotonic(), FIRST_BACKOFF_S
+    it a few times within a second, is retried with exponential backoff until the storage has failed
+    for `retry_s` seconds in a row (a large checkpoint's upload may take longer than that), each retry
+    noted in `retried`. An error that is not transient, or lasts, removes what was written of `where`
+    (what cannot be removed has no manifest) and raises OSError."""
 
     def retrying(action, *args, **kwargs) -> None:
-        nonlocal backoff
+        failing_since, backoff = None, FIRST_BACKOFF_S
         while True:
             try:
                 return action(*args, **kwargs)
             except OSError as e:
-                left = retry_s - (time.monotonic() - started)
+                failing_since = failing_since or time.monotonic()
+                left = retry_s - (time.monotonic() - failing_since)
                 if not is_transient(e) or left <= 0:
                     raise
                 retried.append(f"{type(e).__name__}: {e}")
@@ -108,7 +109,13 @@ def is_transient(error: OSError) -> bool:
 
 def is_full(error: OSError) -> bool:
     """Whether a storage error says the disk is full."""
-    return error.errno == errno.ENOSPC or "No space left on device" in str(error)
+    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
+
+
+def is_refused(error: OSError) -> bool:
+    """Whether a storage error says this writer may not write there: no retry or restart will change it."""
+    refused = ("AWS Error ACCESS_DENIED", "AWS Error NO_SUCH_BUCKET", "Permission denied", "Read-only file system")
+    return error.errno in (errno.EACCES, errno.EPERM, errno.EROFS) or any(s in str(error) for s in refused)
 
 
 def check_shared(storage_path: str) -> list[str]:

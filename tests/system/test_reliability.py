@@ -9,6 +9,7 @@ shows the latest.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -379,7 +380,10 @@ def small_disk(tmp_path):
     where.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True)
     if mounted.returncode != 0:
-        pytest.fail(f"could not mount a tmpfs (this test needs root): {mounted.stderr.decode().strip()}")
+        message = f"could not mount a tmpfs (this test needs root, as CI has): {mounted.stderr.decode().strip()}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
     yield where
     subprocess.run(["umount", str(where)], check=True)
 

@@ -35,12 +35,13 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
 ):
     """A proxy in front of S3 answers "503 SlowDown": to 5 writes of epoch 1's model.pt (more than
     the 3 attempts of pyarrow's own retry strategy: the service retries, and warns), then to every
-    write of epoch 2's checkpoint (S3 down for good: the run stops, and the printed command resumes it
+    write of epoch 2's manifest, its last file (S3 down for good: the run stops, what landed of the
+    checkpoint is removed, and the printed command resumes the run
     once S3 is back)."""
     storage = f"s3://{s3.bucket}/runs"
     proxy = FaultyS3(s3).start()
     proxy.fail("runs/on-s3/epoch_0001/model.pt", 5)
-    proxy.fail("runs/on-s3/epoch_0002", None)
+    proxy.fail("runs/on-s3/epoch_0002/manifest.json", None)  # the rest of it lands, and must be removed
     command = [
         "train",
         TINY,
@@ -61,7 +62,7 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
         assert f"checkpoint epoch_0002 could not be written to {storage}/on-s3/epoch_0002 (OSError: " in stopped.stderr
         assert "the storage kept failing for checkpoint.upload_retry_s=8 s" in stopped.stderr
         assert s3.keys("runs/on-s3/epoch_0001/manifest.json")  # the first epoch's checkpoint, on S3
-        assert not s3.keys("runs/on-s3/epoch_0002")  # nothing of the second
+        assert not s3.keys("runs/on-s3/epoch_0002")  # nothing of the second: what landed was removed
         assert not s3.keys("runs/on-s3/driver.json")  # the lease let go
         resume = re.search(r"^resume: (.+)$", stopped.stderr, re.M).group(1)
 

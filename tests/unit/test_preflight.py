@@ -18,6 +18,7 @@ from raytrain_ddp.preflight import (
     check_batches,
     check_compile,
     check_recipe,
+    check_resize,
     check_score,
     resume_conflicts,
 )
@@ -227,3 +228,19 @@ def test_a_resume_may_change_the_workers_keeping_the_global_batch(tmp_path):
     assert three.endswith("use a number of workers that divides 2")
     [accumulation] = resume_conflicts(saved, with_overrides(config, "train.grad_accum_steps=2"))
     assert accumulation.startswith("scaling.num_workers: the run steps on 2 micro-batches of train.batch_size")
+
+
+def test_a_resize_that_would_change_the_steps_of_an_epoch_is_refused(tmp_path):
+    """81 rows in batches of 10: 9 batches on 1 worker, 4 accumulated: 3 steps; 20 rows on each of 4
+    workers: 2 batches, 2 steps. The same 40 rows a step, but the schedule would shift."""
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = with_overrides(load_config(str(tmp_path / "job.py")), "train.batch_size=10")
+    saved = with_overrides(config, "scaling.num_workers=1", "train.grad_accum_steps=4").to_dict()
+
+    on_4 = with_overrides(config, "scaling.num_workers=4", "train.grad_accum_steps=1")
+    assert check_resize(on_4, None, 81) == [] and check_resize(on_4, saved, 80) == []  # 2 steps on both
+    [problem] = check_resize(on_4, saved, 81)
+    assert problem.startswith(
+        "scaling.num_workers: 81 training rows make 2 optimizer steps an epoch on 4 workers × train.grad_accum_steps "
+        "1, the run made 3 on 1 × 4"
+    )
