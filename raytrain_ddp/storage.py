@@ -8,6 +8,10 @@ On a cluster of several nodes every node must see the same storage: rank 0 write
 its node, a restarted worker reads them on another, the driver registers from its own.
 `check_shared` proves it before training by writing a probe file from every node (and the driver)
 and reading them all back from every one.
+
+Storage misbehaves: `upload` writes a checkpoint so that it is a checkpoint only once whole, retries
+what may pass (S3 throttling) and removes what it wrote of one that failed; `is_transient`,
+`is_full` and `is_refused` tell the errors apart for the message that stops the run.
 """
 
 from __future__ import annotations
