@@ -321,13 +321,14 @@ def test_resources_the_cluster_cannot_hold_are_refused_before_training(ray_sessi
     )
 
 
-def test_a_run_resumed_on_half_the_workers_keeps_its_global_batch_and_trains_each_row_once_an_epoch(
+def test_a_run_resumed_on_fewer_workers_then_more_keeps_its_global_batch_and_trains_each_row_once_an_epoch(
     ray_session, workspace, record
 ):
     """2 workers, a checkpoint every 2 steps, rank 1 killed at the end of epoch 2 (its newest
     checkpoint mid-epoch); then 1 worker accumulating 2 micro-batches a step: it resumes from the end
     of epoch 1 (the mid-epoch position is one in the 2 workers' data), with the same 4 optimizer steps
-    an epoch, and trains epochs 2 and 3 with each of their 64 rows once."""
+    an epoch, and trains epochs 2 and 3 with each of their 64 rows once; then 2 workers again, for
+    epoch 4."""
     from mlflow.tracking import MlflowClient
 
     from raytrain_ddp import RunFailed, run
@@ -361,15 +362,24 @@ def test_a_run_resumed_on_half_the_workers_keeps_its_global_batch_and_trains_eac
     client = MlflowClient(workspace.tracking_uri)
     [mlflow_run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert mlflow_run.data.tags["changed_on_resume.scaling.num_workers"] == "1"
+
+    for log in faults.glob("*.log"):
+        log.rename(log.with_suffix(".second"))
+    grown = resumed("train.epochs=4")  # back on the run's own 2 workers × 1 micro-batch, for one epoch more
+
+    assert grown.resumed.checkpoint == "epoch_0003"
+    epoch_4 = [row for rank in (0, 1) for row in (faults / f"rows{rank}.log").read_text().split()]
+    assert sorted(epoch_4) == sorted(rows)  # split over two ranks again (each seeded afresh), each row once
+    assert ckpt.open_verified(run_dir / "epoch_0004").metrics()["step"] == 16
     record(
         "rank 1 SIGKILLed at the end of epoch 2 (newest checkpoint mid-epoch); resumed by hand on 1 worker × 2 "
-        "accumulated",
-        attempts="2 runs",
-        resumed="epoch_0001 (passing over epoch_0002-step_0000006)",
+        "accumulated, then on 2 again for epoch 4",
+        attempts="3 runs",
+        resumed="epoch_0001 (passing over epoch_0002-step_0000006), then epoch_0003",
         wasted=2,
         checkpoints=len(checkpoints),
         versions=1,
-        note="4 steps an epoch on both; epochs 2 and 3: 64 rows each once",
+        note="4 steps an epoch on both; epochs 2, 3 and 4: 64 rows each once",
     )
 
 
