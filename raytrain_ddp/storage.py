@@ -139,6 +139,7 @@ def check_shared(storage_path: str) -> list[str]:
     probe = ray.remote(num_cpus=0, max_retries=0)(_probe_here)
 
     def on_every_node(step: str) -> dict[str, str | list[str]]:
+        """Each of `nodes`' answer to `step`, and the driver's; a node lost meanwhile leaves `nodes`."""
         refs = {
             node_id: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
                 step, probe_dir, node_id
@@ -151,6 +152,12 @@ def check_shared(storage_path: str) -> list[str]:
                 answers[node_id] = ray.get(ref, timeout=PROBE_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 answers[node_id] = f"no answer within {PROBE_TIMEOUT_S:g} s"
+            except (
+                ray.exceptions.TaskUnschedulableError,
+                ray.exceptions.NodeDiedError,
+                ray.exceptions.WorkerCrashedError,
+            ):
+                del nodes[node_id], where[node_id]  # lost since Ray listed it alive: no node, no storage problem
         return answers
 
     problems = []
