@@ -79,7 +79,8 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
     def after_controller_start(self, train_run_context) -> None:
         self._put("controller")
         try:  # the driver's way to end the run when its resources do not come (run.resources_wait_s)
-            self.queue.put(("controller", ray.get_runtime_context().current_actor), timeout=5)
+            controller = ray.get_runtime_context().current_actor
+            self.queue.put(("controller", controller, train_run_context.run_id), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("the controller's handle not sent to the driver: %s", e)
 
@@ -98,17 +99,28 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
         self._put("train context")  # datasets split, the training function launched
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
-        """A preemption begun (a node of the workers is being drained) or over (the workers restart, or
-        the run ends): Ray Train calls no other callback for it."""
+        """The controller's state, when it changes: whether it is deciding how many workers to start
+        (an elastic run below its minimum waits there, with no placement group to watch); a resize
+        (an elastic run found room for more workers); a preemption begun (a node of the workers is
+        being drained) or over (the workers restart, or the run ends). Ray Train calls no other
+        callback for these."""
         was, now = type(previous_state).__name__, type(current_state).__name__
+        if was == now:  # called at every poll
+            return
         try:
-            if now == "PreemptingState" and was != now:
+            self.queue.put(("state", now), timeout=5)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("the controller's state not shown: %s", e)
+        try:
+            if now == "ResizingState":
+                self.queue.put(("resizing", current_state.scaling_decision.num_workers), timeout=5)
+            elif now == "PreemptingState":
                 info = current_state.preemption_info
                 self.queue.put(("preempting", info.preempted_node_to_ranks, info.deadline_ms), timeout=5)
-            elif was == "PreemptingState" and now != was:
+            elif was == "PreemptingState":
                 self.queue.put(("preempted", now == "RestartingState"), timeout=5)
         except Exception as e:  # noqa: BLE001
-            logger.warning("preemption not shown: %s", e)
+            logger.warning("a resize or preemption not shown: %s", e)
 
     def after_worker_group_poll_status(self, worker_group_status) -> None:
         if worker_group_status.finished and not worker_group_status.errors:

@@ -28,12 +28,12 @@ def per_worker(config: Config) -> dict[str, float]:
 
 
 def fits_now(config: Config) -> bool:
-    """Whether the run's workers fit in what the alive nodes (those with scaling.label_selector's
-    labels) have free now: one worker after another onto the first node with room, as Ray's PACK
-    strategy places them."""
+    """Whether the run's workers (an elastic run's least) fit in what the alive nodes (those with
+    scaling.label_selector's labels) have free now: one worker after another onto the first node with
+    room, as Ray's PACK strategy places them."""
     wanted, selector = per_worker(config), dict(config.scaling.label_selector)
     free = [dict(node["free"]) for node in _nodes() if has_labels(node["labels"], selector)]
-    for _ in range(config.scaling.num_workers):
+    for _ in range(config.scaling.min_workers):
         node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in wanted.items())), None)
         if node is None:
             return False
@@ -49,7 +49,7 @@ def describe_wait(config: Config) -> str:
     free = {key: sum(node["free"].get(key, 0.0) for node in nodes) for key in wanted}
     total = {key: sum(node["total"].get(key, 0.0) for node in nodes) for key in wanted}
     has = ", ".join(f"{key} {free[key]:g} free of {total[key]:g}" for key in wanted)
-    said = f"{s.num_workers} workers × {_describe(wanted)}; the cluster has {len(nodes)} node(s) alive, {has}"
+    said = f"{s.workers_text} × {_describe(wanted)}; the cluster has {len(nodes)} node(s) alive, {has}"
     if s.label_selector:
         said += f" (workers only on nodes labelled {labels_text(s.label_selector)})"
     others = holders(config.run.name)
@@ -97,6 +97,22 @@ def _worker_jobs() -> list[str]:
         if worker.job_id != own:
             jobs[worker.job_id] = jobs.get(worker.job_id, 0) + 1
     return [f"{count} training workers of job {job}" for job, count in sorted(jobs.items())]
+
+
+def withdraw(run_id: str) -> None:
+    """Withdraw the request for the workers' resources that Ray Train's controller of run `run_id`
+    made to Ray's autoscaling coordinator (every run makes one, at start). The controller withdraws it
+    as it shuts down; one killed cannot, and the request would hold its reservation for 3 minutes
+    (AUTOSCALING_REQUESTS_EXPIRE_TIME_S), where an elastic run and Ray Data count room from it."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    try:
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(coordinator.cancel_request.remote(requester_id=f"train-{run_id}"), timeout=10)
+    except Exception as e:  # noqa: BLE001 - it expires by itself
+        logger.warning("the run's resource request was not withdrawn (it expires within 3 min): %s", e)
 
 
 def lost_nodes(ranks: dict[int, str]) -> list[str]:

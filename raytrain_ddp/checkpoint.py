@@ -65,7 +65,11 @@ class CheckpointError(RuntimeError):
 
 
 class NoValidCheckpoint(CheckpointError):
-    """A run has checkpoints, and not one of them verifies."""
+    """A run has checkpoints, and not one of them verifies (or is resumable on this number of workers)."""
+
+    def __init__(self, message: str, skipped: list[Skipped] | None = None):
+        super().__init__(message)
+        self.skipped = skipped or []
 
 
 @dataclass(frozen=True)
@@ -205,8 +209,8 @@ class Skipped:
 class Opened:
     """The first of a run's checkpoints that verified, and those skipped on the way to it."""
 
-    checkpoint: ray.train.Checkpoint
-    verified: Verified
+    checkpoint: ray.train.Checkpoint | None  # None: train from the start (`open_resume_point`'s start_over)
+    verified: Verified | None
     skipped: list[Skipped]
     recorded: bool = True  # in Ray's record of the run; False: written and reported, not recorded (`unrecorded`)
 
@@ -303,13 +307,17 @@ def open_resume_point(
     committed: Iterable[tuple[ray.train.Checkpoint, dict[str, Any]]],
     unrecorded: Iterable[ray.train.Checkpoint] = (),
     world_size: int | None = None,
+    start_over: bool = False,
 ) -> Iterator[Opened | None]:
     """Open the checkpoint a run resumes from: the newest of its `unrecorded` ones that verifies (one
     that does not was never whole: passed over in silence), else Ray's latest committed one or, where
     that is damaged, the newest of the run's other committed checkpoints (with their metrics) that
     verifies; None for a run with no checkpoint recorded nor whole. On `world_size` workers, a
-    mid-epoch checkpoint of another number of workers is passed over too (`resumable_on`). The driver
-    (from the run's record) and the workers (from Ray Train's context) both decide it here."""
+    mid-epoch checkpoint of another number of workers is passed over too (`resumable_on`), and
+    `start_over` (an elastic run, resized by Ray) trains from the start, an Opened with no checkpoint,
+    where all it passed over is mid-epoch in the first epoch: the epoch's end before them is the run's
+    start. The driver (from the run's record) and the workers (from Ray Train's context) both decide it
+    here."""
     skipped = []
     for checkpoint in unrecorded:
         with checkpoint.as_directory() as directory:
@@ -322,14 +330,30 @@ def open_resume_point(
                 continue
             yield Opened(checkpoint, verified, skipped, recorded=False)
             return
-    if latest is None:
-        if skipped:  # whole, but not for this number of workers: not a new run either
-            raise NoValidCheckpoint(_none_resumable(skipped, world_size))
+    if latest is None and not skipped:
         yield None
         return
-    older = [checkpoint for checkpoint in newest_first(committed) if checkpoint.path != latest.path]
-    with open_first_verified([latest, *older], world_size) as opened:
-        yield Opened(opened.checkpoint, opened.verified, skipped + opened.skipped)
+    if latest is not None:
+        older = [checkpoint for checkpoint in newest_first(committed) if checkpoint.path != latest.path]
+        with contextlib.ExitStack() as stack:
+            try:
+                opened = stack.enter_context(open_first_verified([latest, *older], world_size))
+            except NoValidCheckpoint as e:
+                skipped += e.skipped
+            else:
+                yield Opened(opened.checkpoint, opened.verified, skipped + opened.skipped)
+                return
+    # Whole checkpoints, but none for this number of workers: not a new run either, unless an elastic
+    # run is still in its first epoch.
+    if not (start_over and all(_in_first_epoch(s) for s in skipped)):
+        raise NoValidCheckpoint(_none_resumable(skipped, world_size), skipped)
+    yield Opened(None, None, skipped)
+
+
+def _in_first_epoch(skipped: Skipped) -> bool:
+    """A checkpoint passed over as mid-epoch in the run's first epoch (for another number of workers)."""
+    where = position(skipped.name)
+    return skipped.reason.startswith(MID_EPOCH) and where is not None and where[:2] == (1, 0)
 
 
 def resumable_on(checkpoint: ray.train.Checkpoint, verified: Verified, world_size: int | None) -> str | None:
@@ -339,7 +363,8 @@ def resumable_on(checkpoint: ray.train.Checkpoint, verified: Verified, world_siz
     where = position(Path(checkpoint.path).name)
     if world_size is None or where is None or where[1] == 1:
         return None
-    wrote = verified.config()["scaling"]["num_workers"]
+    metrics = verified.metrics()
+    wrote = metrics["workers"] if "workers" in metrics else verified.config()["scaling"]["num_workers"]  # older
     if wrote == world_size:
         return None
     return f"{MID_EPOCH}, a position in the data of {wrote} workers, not {world_size}"
@@ -363,14 +388,14 @@ def open_first_verified(checkpoints: Iterable[ray.train.Checkpoint], world_size:
                 continue
             yield Opened(checkpoint, verified, skipped)
             return
-    raise NoValidCheckpoint(_none_resumable(skipped, world_size))
+    raise NoValidCheckpoint(_none_resumable(skipped, world_size), skipped)
 
 
 def _none_resumable(skipped: list[Skipped], world_size: int | None) -> str:
     resized = any(s.reason.startswith(MID_EPOCH) for s in skipped)
     said = "not one checkpoint verifies" + (
         f" and is resumable on {world_size} workers (resume on the number that wrote the newest, to its "
-        "epoch's end, then change it)"
+        "epoch's end, then change it; an elastic run needs an epoch's end kept: raise checkpoint.num_to_keep)"
         if resized
         else ""
     )

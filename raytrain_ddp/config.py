@@ -7,13 +7,14 @@ file and `key=value` overrides, and validated as a whole, is `layering.py`'s.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -36,7 +37,8 @@ class TrainSettings(_Section):
     batch_size: int = Field(
         64,
         ge=1,
-        description="rows per micro-batch per worker (global batch = batch_size x num_workers x grad_accum_steps)",
+        description="rows per micro-batch per worker (global batch = batch_size x num_workers (an elastic range's max) "
+        "x grad_accum_steps)",
     )
     grad_accum_steps: int = Field(
         1, ge=1, description="micro-batches per optimizer step; DDP syncs gradients only on the last (no_sync); 1 = off"
@@ -111,7 +113,18 @@ class DataSettings(_Section):
 class ScalingSettings(_Section):
     """Ray Train's ScalingConfig."""
 
-    num_workers: int = Field(2, ge=1, description="DDP workers (Ray Train worker actors)")
+    num_workers: int | tuple[int, int] = Field(
+        2,
+        description="DDP workers (Ray Train worker actors); [min, max] = elastic: the run starts on as many as fit, "
+        "at least min, goes on with fewer after a node is lost and grows back when nodes return, keeping its "
+        "global batch (each count in the range must divide max x train.grad_accum_steps)",
+    )
+    resize_check_s: float = Field(
+        60.0,
+        gt=0,
+        description="elastic num_workers: how often Ray Train looks for room for more workers; a grow restarts the "
+        "workers from the newest checkpoint they can resume (an epoch's end, or mid-epoch on as many workers)",
+    )
     use_gpu: bool = Field(False, description="one GPU per worker, NCCL backend; false = CPU, gloo")
     resources_per_worker: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 1.0},
@@ -122,6 +135,36 @@ class ScalingSettings(_Section):
         description="node labels the workers need, e.g. {role: train} for nodes started with --labels role=train "
         "(and data.label_selector to read on other nodes); {} = any node",
     )
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers_or_a_range(cls, value: Any) -> int | tuple[int, int]:
+        pair = value if isinstance(value, (list, tuple)) else (value, value)
+        if len(pair) != 2 or not all(_whole(n) for n in pair):
+            raise ValueError("must be a number of workers (e.g. 2) or an elastic range [min, max] (e.g. [1, 2])")
+        least, most = (int(n) for n in pair)
+        if least < 1 or least > most:
+            raise ValueError("must be >= 1, or a range [min, max] with 1 <= min <= max")
+        return least if least == most else (least, most)
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if self.elastic else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if self.elastic else self.num_workers
+
+    @property
+    def workers_text(self) -> str:
+        """'2 workers', or an elastic range: '1–2 workers (elastic)'."""
+        if self.elastic:
+            return f"{self.min_workers}–{self.max_workers} workers (elastic)"
+        return f"{self.num_workers} workers"
 
     @model_validator(mode="after")
     def _resources_are_possible(self) -> ScalingSettings:
@@ -281,7 +324,7 @@ class Config(_Section):
     def _compiles_under_ddp(self) -> Config:
         # Under DDP, dynamo splits the compiled graph at DDP's buckets (DDPOptimizer), and asserts that
         # DDP's first bucket, of 1 MiB, is no larger than the others (torch/_dynamo/backends/distributed.py).
-        if self.train.compile and self.scaling.num_workers > 1 and self.ddp.bucket_cap_mb < 1:
+        if self.train.compile and self.scaling.max_workers > 1 and self.ddp.bucket_cap_mb < 1:
             raise ValueError(
                 f"train.compile=true needs ddp.bucket_cap_mb >= 1 (got {self.ddp.bucket_cap_mb:g}): torch splits the "
                 "compiled graph at DDP's buckets and refuses buckets smaller than DDP's first, of 1 MiB"
@@ -297,12 +340,40 @@ class Config(_Section):
                 "train.precision=fp16 needs a GPU (CUDA autocast with a GradScaler); on CPU use bf16 or fp32, "
                 "or set scaling.use_gpu=true"
             )
-        if self.ddp.sync_batchnorm and self.scaling.num_workers > 1:
+        if self.ddp.sync_batchnorm and self.scaling.max_workers > 1:
             raise ValueError(
                 "ddp.sync_batchnorm=true needs GPUs (torch's SyncBatchNorm rejects CPU tensors); "
                 "set scaling.use_gpu=true or ddp.sync_batchnorm=false"
             )
         return self
+
+    @model_validator(mode="after")
+    def _every_count_shares_a_step(self) -> Config:
+        """An elastic run keeps its global batch: each count of workers in the range accumulates an equal
+        share of a step's micro-batches (`accumulation_on`)."""
+        s, per_step = self.scaling, self.micro_batches_per_step
+        uneven = [w for w in worker_counts(s.num_workers) if per_step % w]
+        if uneven:
+            least = math.lcm(*worker_counts(s.num_workers)) // s.max_workers
+            raise ValueError(
+                f"scaling.num_workers={list(s.num_workers)}: an optimizer step is {per_step} micro-batches "
+                f"({s.max_workers} workers × train.grad_accum_steps {self.train.grad_accum_steps}), which "
+                f"{', '.join(map(str, uneven))} worker(s) cannot share evenly; set train.grad_accum_steps to a "
+                f"multiple of {least} (on {s.max_workers} workers; more on fewer), or choose a range whose counts "
+                f"all divide {per_step}"
+            )
+        return self
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """The micro-batches of train.batch_size rows that make one optimizer step over all workers: the
+        global batch, counted in micro-batches, fixed for the run whatever its number of workers."""
+        return self.scaling.max_workers * self.train.grad_accum_steps
+
+    def accumulation_on(self, world_size: int) -> int:
+        """The micro-batches each of `world_size` workers accumulates a step: train.grad_accum_steps on
+        the most workers, more on fewer."""
+        return self.micro_batches_per_step // world_size
 
     # How this config was made: the recipe it was validated against and its layers (see layering.py).
     # Not part of its data, so never saved, logged or compared; it lets one command import its job once.
@@ -321,6 +392,19 @@ class Config(_Section):
     def flat(self) -> dict[str, Any]:
         """`{"train.lr": 0.001, ...}`: the config as MLflow params."""
         return {".".join(path): value for path, value in flatten(self.to_dict()).items()}
+
+
+def _whole(n: Any) -> bool:
+    """A whole number, as pydantic's lax int takes it: 2, 2.0 or "2" (not True)."""
+    if isinstance(n, str):
+        return n.strip().isdigit()
+    return isinstance(n, (int, float)) and not isinstance(n, bool) and float(n).is_integer()
+
+
+def worker_counts(num_workers: int | Sequence[int]) -> list[int]:
+    """The numbers of workers a run may have: one, or each of an elastic range [min, max] (as a config
+    or a saved one has it)."""
+    return [num_workers] if isinstance(num_workers, int) else list(range(num_workers[0], num_workers[1] + 1))
 
 
 def flatten(data: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:

@@ -24,10 +24,11 @@ from rich.markup import escape
 
 from raytrain_ddp import capacity, stream
 from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
-from raytrain_ddp.checkpoint import rank
+from raytrain_ddp.checkpoint import position, rank
 from raytrain_ddp.flops import si
 from raytrain_ddp.metrics import GENERATED, STOPPED, STORAGE_RETRIED
-from raytrain_ddp.optim import optimizer_steps
+from raytrain_ddp.optim import Accumulation
+from raytrain_ddp.session import ELASTIC_PLACEMENT_WAIT_S
 from raytrain_ddp.timeline import MARKS, Timeline
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 END = "end"  # put by the driver once fit() has returned
 WATCH_EVERY_S = 2.0  # how often the driver asks whether the workers wait for resources
 ANNOUNCE_AFTER_S = 10.0  # a placement that waits longer is said on the console (a healthy one takes < 1 s)
+# Ray Train's controller states of deciding how many workers to start: an elastic run below its
+# minimum stays there (Ray's elastic policy waits without a placement group, and says nothing).
+DECIDING = ("InitializingState", "RestartingState", "ReschedulingState")
+DECIDING_FOR_S = 12.0  # longer is a wait: an elastic decision asks Ray's autoscaling coordinator (5 s at most), twice
 
 
 class LiveProgress:
@@ -45,7 +50,8 @@ class LiveProgress:
     stopped if the workers stopped it.
 
     Watches for workers that wait for resources (Ray's placement group of this driver's job pending,
-    at the start or after a node is lost): says what they wait for and what the cluster has, and
+    or, for an elastic run below its minimum, Ray Train's controller deciding how many to start), at
+    the start or after a node is lost: says what they wait for and what the cluster has, and
     after run.resources_wait_s ends the run (`gave_up` says why) instead of Ray's endless retries."""
 
     def __init__(self, console: Console, plan: Plan, timeline: Timeline, last_epoch: Callable[[], Any] | None = None):
@@ -60,17 +66,19 @@ class LiveProgress:
         # The rank of the run's best checkpoint so far (a resumed run's included): ★ marks a report
         # whose checkpoint becomes the best, by the rule registration follows (checkpoint.rank).
         self.best = None if plan.resume.best is None else rank(plan.resume.best, self.score, self.order)
-        self.failures: list[str] = []  # every failed attempt, preemptions included
+        self.failures: list[str] = []  # every failed attempt, preemptions and resizes included
         self._counted = 0  # those that count against run.max_failures (not preemptions)
         self.lost: list[str] = []  # the nodes lost with the latest failed attempt, described
         self.stopped: str | None = None
         self.config, self.gave_up = config, None  # gave_up: why the driver ended the run, if it did
-        self._controller = None  # Ray Train's controller actor (ControllerMarks sends it)
+        self._controller = None  # Ray Train's controller actor, and its run's id (ControllerMarks sends them)
+        self._run_id = None
         self._worker_nodes: dict[int, str] = {}  # rank: node id, of the latest worker group
         self._preemption = ""  # the preemption under way, as said
         self._waiting_since: float | None = None  # since when the workers wait for resources
+        self._deciding_since: float | None = None  # since when Ray Train's controller decides how many workers
         self._next_watch, self._announced = 0.0, False
-        self._status = console.status(f"Starting {config.scaling.num_workers} training workers…")
+        self._status = console.status(f"Starting {config.scaling.workers_text}…")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True)
 
@@ -109,18 +117,26 @@ class LiveProgress:
                 if "worker group" in event[0]:  # the workers placed and started
                     self._placed()
             elif kind == "controller":
-                [self._controller] = event
+                self._controller, self._run_id = event
+                if self.config.scaling.elastic:  # it starts by deciding how many workers to start
+                    self._deciding_since = time.monotonic()
             elif kind == "workers":
                 [self._worker_nodes] = event
+            elif kind == "state" and self.config.scaling.elastic:
+                deciding = event[0] in DECIDING
+                self._deciding_since = (self._deciding_since or time.monotonic()) if deciding else None
+            elif kind == "resizing":
+                self._resizing(*event)
             elif kind == "preempting":
                 self._preempting(*event)
             elif kind == "preempted":
                 self._preempted(*event)
             elif kind == "report":
                 metrics, self.latest = event
+                self._deciding_since = None
                 self.timeline.add(metrics.pop(MARKS, {}))
                 self._show(metrics)
-            else:
+            elif kind == "failure":
                 self._failed(*event)
             self._watch()
 
@@ -134,10 +150,28 @@ class LiveProgress:
     def _preempted(self, restarting: bool) -> None:
         if not restarting:  # the run ended first (finished, or failed otherwise)
             return
-        restart = f"restarted from {self.latest or 'the start'} (not counted in run.max_failures)"
+        restart = f"restarted from {self._resumes_from(self.latest)} (not counted in run.max_failures)"
         self.failures.append(f"{self._preemption} — {restart}")
         self.console.print(f"[yellow]attempt {len(self.failures)} ended[/]: {escape(self.failures[-1])}")
         self._status.update("Restarting the workers after the preemption…")
+
+    def _resizing(self, workers: int) -> None:
+        """Ray Train resizes an elastic run whose room changed (it looks every scaling.resize_check_s):
+        an attempt ended, not failed."""
+        restart = f"restarted from {self._resumes_from(self.latest)} (not counted in run.max_failures)"
+        self.failures.append(f"resized from {len(self._worker_nodes)} to {workers} workers — {restart}")
+        self.console.print(f"[yellow]attempt {len(self.failures)} ended[/]: {escape(self.failures[-1])}")
+        self._status.update(f"Restarting on {workers} workers…")
+
+    def _resumes_from(self, latest: str | None) -> str:
+        """Where the workers restart: `latest`, except that an elastic run restarted on another number
+        of workers passes over a mid-epoch checkpoint (checkpoint.resumable_on)."""
+        if latest is None:
+            return "the start"
+        where = position(latest)
+        if self.config.scaling.elastic and where is not None and where[1] == 0:
+            return f"{latest} (on another number of workers, the epoch's end before it)"
+        return latest
 
     def _watch(self) -> None:
         """Every WATCH_EVERY_S: whether the workers wait for resources; said after ANNOUNCE_AFTER_S, and
@@ -146,12 +180,18 @@ class LiveProgress:
         if now < self._next_watch or self.gave_up is not None:
             return
         self._next_watch = now + WATCH_EVERY_S
-        if not self._placement_pending():
+        deciding = self._deciding_since is not None and now - self._deciding_since >= DECIDING_FOR_S
+        if not (deciding or self._placement_pending()):
             return
         if self._waiting_since is None:
             self._waiting_since = now
             return
-        waited, limit = now - self._waiting_since, self.config.run.resources_wait_s
+        # An elastic run's placement may wait ELASTIC_PLACEMENT_WAIT_S for a node lost a moment ago,
+        # before Ray Train asks again for as many workers as fit: part of a shrink, not a wait.
+        grace = ELASTIC_PLACEMENT_WAIT_S if self.config.scaling.elastic else 0.0
+        waited, limit = now - self._waiting_since - grace, self.config.run.resources_wait_s
+        if waited < 0:
+            return
         if waited >= limit:
             self.gave_up = (
                 f"the workers' resources did not come within {limit:g} s (run.resources_wait_s): "
@@ -180,16 +220,18 @@ class LiveProgress:
     def _placed(self) -> None:
         if self._announced:
             self.console.print(f"resources found after {time.monotonic() - self._waiting_since:.0f} s")
-        self._waiting_since, self._announced = None, False
+        self._waiting_since, self._deciding_since, self._announced = None, None, False
 
     def _abort(self) -> None:
         """End the run: Ray Train's controller is killed, and fit() raises. (Its `abort`, what Ctrl-C
         calls, waits behind the placement group's wait, a minute at a time.) The placement group it
-        asked for goes with it, and there are no workers yet to stop."""
+        asked for goes with it, and there are no workers yet to stop; its request to Ray's autoscaling
+        coordinator is withdrawn (`capacity.withdraw`)."""
         if self._controller is None:
             logger.warning("cannot end the run: the controller's handle never came")
             return
         ray.kill(self._controller, no_restart=True)
+        capacity.withdraw(self._run_id)
 
     def _show(self, m: dict[str, Any]) -> None:
         if STOPPED in m:
@@ -210,7 +252,9 @@ class LiveProgress:
             if epoch == int(epoch)
             else f"  step {m['step']:>5} (epoch {epoch:.2f})"
         )
-        self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {throughput(m)}[/]{best}")
+        workers = m.get("workers") if self.config.scaling.elastic else None  # an elastic run's may change
+        on = f", {workers} worker{'s' * (workers != 1)}" if workers else ""
+        self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {throughput(m)}{on}[/]{best}")
         for sample in m.get(GENERATED, [])[:1]:  # what the model says now, in a line
             said = " ".join(sample.get("generated", "").split())
             self.console.print(f"  [dim]generated:[/] {escape(said[:100])}", highlight=False)
@@ -227,7 +271,7 @@ class LiveProgress:
         left = self.max_failures - self._counted - 1
         self._counted += 1
         if self.max_failures == -1 or left >= 0:
-            restart = f"restarted from {latest or 'the start'}"
+            restart = f"restarted from {self._resumes_from(latest)}"
             self._status.update(f"Restarting the workers from {latest or 'the start'}…")
         else:
             restart = f"no restarts left (run.max_failures={self.max_failures})"
@@ -239,7 +283,7 @@ def show_plan(console: Console, plan: Plan) -> None:
     """The run in a line: what trains, on how many workers, where it starts from and where it writes."""
     config, t, resume = plan.config, plan.config.train, plan.resume
     accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
-    steps = optimizer_steps(plan.batches_per_epoch, t.grad_accum_steps)
+    steps = Accumulation.on(config, plan.train_rows, config.scaling.max_workers).steps  # the same on each count
     if resume.checkpoint:
         resuming = f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})"
     elif plan.named:  # a run.name that was meant to resume, maybe, given in another directory
@@ -247,7 +291,7 @@ def show_plan(console: Console, plan: Plan) -> None:
     else:
         resuming = ""
     console.print(
-        f"[bold]{config.run.name}[/]: job {plan.recipe.name}, {config.scaling.num_workers} workers × batch "
+        f"[bold]{config.run.name}[/]: job {plan.recipe.name}, {config.scaling.workers_text} × batch "
         f"{t.batch_size}{accumulation}, {plan.train_rows} training rows ({steps} steps/epoch){resuming}, "
         f"checkpoints in {plan.run_path}"
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -139,12 +138,6 @@ def dataset_config() -> DataConfig:
     options = copy.deepcopy(ray.data.DataContext.get_current().execution_options)
     options.preserve_order = True
     return DataConfig(datasets_to_split=["train"], execution_options=options)
-
-
-def batches_per_epoch(train_rows: int, world_size: int, batch_size: int, drop_last: bool) -> int:
-    """Each worker's batches per epoch: both paths give every worker train_rows // world_size rows."""
-    rows = train_rows // world_size
-    return rows // batch_size if drop_last else math.ceil(rows / batch_size)
 
 
 def split_batches(

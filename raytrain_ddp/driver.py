@@ -148,7 +148,8 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
     try:
         # The relay of the progress display exists once it has started; Ray Train reads its
         # settings from the driver's environment when fit() starts.
-        with progress, session.environment(session.fit_environment(plan.config.run.controller_poll_s)):
+        settings = session.fit_environment(plan.config.run.controller_poll_s, plan.config.scaling.elastic)
+        with progress, session.environment(settings):
             result = _trainer(plan, run_id, progress).fit()
     finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
         if threading.current_thread() is threading.main_thread():
@@ -166,13 +167,14 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
             "config": config.to_dict(),
             "recipe": plan.recipe,
             "fitted": plan.fitted,  # the statistics of the training rows that build_model takes
-            "batches_per_epoch": plan.batches_per_epoch,
+            "train_rows": plan.train_rows,  # each worker's share, on as many workers as the attempt has
             "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
             "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
             "shipped_datasets": None if ray_data else plan.datasets,  # torch Datasets or streams, with the loop
         },
         scaling_config=ScalingConfig(
-            num_workers=config.scaling.num_workers,
+            num_workers=config.scaling.num_workers,  # (min, max): elastic
+            elastic_resize_monitor_interval_s=config.scaling.resize_check_s,
             use_gpu=config.scaling.use_gpu,
             resources_per_worker=dict(config.scaling.resources_per_worker),
             label_selector=dict(config.scaling.label_selector) or None,
@@ -203,7 +205,7 @@ def _already_finished(standing: planning.Standing, registration: Registration, w
         run_name=config.run.name,
         run_path=standing.run_path,
         epochs=int(resume.epoch),
-        workers=config.scaling.num_workers,
+        workers=config.scaling.max_workers,
         metrics=registration.metrics,
         final_metrics=resume.metrics,
         best_checkpoint=registration.checkpoint,
@@ -228,7 +230,7 @@ def _summarize(plan: Plan, trained: Trained, registration: Registration, run_id:
         run_name=config.run.name,
         run_path=plan.run_path,
         epochs=trained.epochs,
-        workers=config.scaling.num_workers,
+        workers=config.scaling.max_workers,
         metrics=registration.metrics,
         final_metrics=trained.final_metrics,
         best_checkpoint=registration.checkpoint,

@@ -60,7 +60,7 @@ class Worker:
     model: torch.nn.Module  # built, evaluated and saved; `ddp_model` wraps it for training
     updater: Updater
     accumulation: Accumulation
-    retrained: frozenset[str]  # damaged checkpoints training passes again: it writes `<name>-retrained`
+    retrained: frozenset[str]  # checkpoints passed over that training passes again: it writes `<name>-retrained`
     example: dict[str, torch.Tensor]  # two validation rows: what the model generates from at each evaluation
     marks: WorkerMarks  # rank 0's phases (the run's timeline), sent with its next report
     flops: ModelFlops  # what a training step costs, and this rank's device's peak: for model FLOP/s and MFU
@@ -90,7 +90,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, device = worker_data.rank, worker_data.device
     marks = WorkerMarks(rank)
     marks.mark("loop")
-    accumulation = Accumulation(loop_config["batches_per_epoch"], config.train.grad_accum_steps)
+    accumulation = Accumulation.on(config, loop_config["train_rows"], worker_data.world_size)
 
     # 1. Build the same model on every rank, wrap it in DDP (compiled inside, if asked for), then
     #    optimizer, schedule and precision.
@@ -268,6 +268,7 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
         metrics = {
             "epoch": at.epoch + at.batches / worker.accumulation.micro_batches,
             "step": at.step,
+            "workers": worker.data.world_size,
             "lr": worker.updater.lr,
             **combine(meter, recipe.count_tokens is not None, worker.data.device, worker.flops),
             **{f"val_{name}": value for name, value in evaluate(model, recipe, worker.data.val_batches()).items()},
@@ -365,9 +366,10 @@ def _resume(
 ) -> tuple[ckpt.TrainingState | None, frozenset[str]]:
     """Load the newest checkpoint of the run that verifies: one written and reported but not recorded
     by Ray (its worker died before the controller's poll: reported again here, so Ray records it),
-    else Ray's latest, else (damaged) the newest committed one before it. Returns its training state
-    (None for a new run) and the names of the checkpoints skipped, which training will pass again
-    and must not overwrite."""
+    else Ray's latest, else (damaged, or mid-epoch for another number of workers) the newest committed
+    one before it. Returns its training state (None for a new run, or an elastic one resized in its
+    first epoch) and the names of the checkpoints skipped, which training will pass again and must
+    not overwrite."""
     latest = ray.train.get_checkpoint()
     run_path = f"{config.run.storage_path}/{config.run.name}"
     unrecorded = ckpt.unrecorded(run_path, None if latest is None else Path(latest.path).name)
@@ -375,16 +377,20 @@ def _resume(
         return None, frozenset()
     committed = ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
     committed = ((c.checkpoint, c.metrics) for c in committed)
-    with ckpt.open_resume_point(latest, committed, unrecorded, world_size) as opened:
+    elastic = config.scaling.elastic  # resized by Ray: in its first epoch, it may start over
+    with ckpt.open_resume_point(latest, committed, unrecorded, world_size, start_over=elastic) as opened:
         if opened is None:  # nothing recorded, and nothing written whole
             return None, frozenset()
         for skipped in opened.skipped:
             logger.warning("skipping checkpoint %s", skipped)
-        chosen = all_gather(opened.name)
+        passed_over = frozenset(skipped.name for skipped in opened.skipped)
+        chosen = all_gather(None if opened.checkpoint is None else opened.name)
         if len(set(chosen)) != 1:
             raise ckpt.CheckpointError(
                 f"the ranks found different checkpoints valid ({chosen}): is the storage shared?"
             )
+        if opened.checkpoint is None:  # every checkpoint mid-epoch 1, of another number of workers
+            return None, passed_over
         ckpt.load_weights(model, opened.verified.model_state())
         state = opened.verified.training_state()
         if not opened.recorded:
@@ -395,7 +401,7 @@ def _resume(
             f"{world_size}: resume with scaling.num_workers={len(state.rng)} to the epoch's end"
         )
     updater.load_state_dict(state.updater)
-    return state, frozenset(skipped.name for skipped in opened.skipped)
+    return state, passed_over
 
 
 def _report_again(opened: ckpt.Opened) -> None:

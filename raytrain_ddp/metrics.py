@@ -24,6 +24,7 @@ from raytrain_ddp.flops import ModelFlops, utilization
 TRAIN_METRICS = (
     "epoch",
     "step",
+    "workers",  # the attempt's number of workers: an elastic run's may change
     "lr",
     "train_loss",
     "grad_norm",

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from raytrain_ddp.config import TrainSettings
+from raytrain_ddp.config import Config, TrainSettings
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW and SGD kernels (and this service runs)
@@ -26,6 +26,14 @@ class Accumulation:
 
     micro_batches: int  # per worker and epoch
     per_step: int
+
+    @classmethod
+    def on(cls, config: Config, train_rows: int, world_size: int) -> Accumulation:
+        """An epoch of `train_rows` rows on `world_size` workers: each worker's share of the rows in
+        micro-batches, and its share of a step's (the global batch stays, see `Config.accumulation_on`)."""
+        t = config.train
+        micro_batches = batches_per_epoch(train_rows, world_size, t.batch_size, t.drop_last)
+        return cls(micro_batches, config.accumulation_on(world_size))
 
     @property
     def steps(self) -> int:
@@ -74,6 +82,12 @@ class Updater:
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def batches_per_epoch(train_rows: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Each worker's batches per epoch: every data path gives every worker train_rows // world_size rows."""
+    rows = train_rows // world_size
+    return rows // batch_size if drop_last else math.ceil(rows / batch_size)
 
 
 def optimizer_steps(micro_batches: int, grad_accum_steps: int) -> int:

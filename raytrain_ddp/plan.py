@@ -72,7 +72,6 @@ class Plan:
     fitted: Any  # what build_datasets fitted on the training rows, for build_model (None: nothing)
     train_rows: int
     example: dict[str, torch.Tensor]  # two validation rows: the pre-flight input and the model's input example
-    batches_per_epoch: int  # micro-batches each worker trains an epoch
     resume: ResumePoint
     resume_command: str  # continues this run
     extend_command: str  # continues it with train.epochs=N: trains it longer
@@ -114,7 +113,6 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             timeline.mark("datasets")
             example = data.example_batch(datasets["val"], config.seed)
             timeline.mark("example rows")
-    t = config.train
     return Plan(
         config=config,
         recipe=recipe,
@@ -123,7 +121,6 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
         fitted=fitted,
         train_rows=train_rows,
         example=example,
-        batches_per_epoch=data.batches_per_epoch(train_rows, config.scaling.num_workers, t.batch_size, t.drop_last),
         resume=standing.resume,
         resume_command=resume_command(config),
         extend_command=resume_command(config, epochs="N"),
@@ -228,8 +225,11 @@ def _resume_point(run_path: str, config: Config) -> ResumePoint:
         return ResumePoint()
     c = config.checkpoint
     best = ckpt.best_first(committed, c.score_attribute, c.score_order)[0][1] if committed else None
+    # An elastic run's number of workers is what the cluster has room for when they start: the workers
+    # pass over a mid-epoch checkpoint of another number themselves.
+    workers = None if config.scaling.elastic else config.scaling.num_workers
     try:
-        with ckpt.open_resume_point(latest, committed, unrecorded, config.scaling.num_workers) as opened:
+        with ckpt.open_resume_point(latest, committed, unrecorded, workers) as opened:
             if opened is None:  # nothing recorded, and nothing written whole: a new run
                 return ResumePoint()
             metrics = opened.verified.metrics()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,11 +25,11 @@ import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import capacity, data, flops, lease, ray_address, session, storage, stream, tracking
-from raytrain_ddp.config import Config, ConfigError, flatten
+from raytrain_ddp import capacity, flops, lease, ray_address, session, storage, stream, tracking
+from raytrain_ddp.config import Config, ConfigError, flatten, worker_counts
 from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.metrics import reported_metrics
-from raytrain_ddp.optim import optimizer_steps
+from raytrain_ddp.optim import batches_per_epoch, optimizer_steps
 from raytrain_ddp.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ RESUMABLE = (
     "train.eval_batch_size",
     "train.num_loader_workers",
     "scaling.use_gpu",
+    "scaling.resize_check_s",
     "scaling.resources_per_worker",
     "data.",
     "ddp.bucket_cap_mb",
@@ -102,7 +103,7 @@ def check(plan: Plan) -> ModelFlops:
     problems = (
         check_score(config, checked.reported)
         + check_batches(config, plan.train_rows)
-        + check_resize(config, plan.resume.saved_config, plan.train_rows)
+        + check_steps(config, plan.resume.saved_config, plan.train_rows)
         + check_resources(config, plan.datasets)
         + check_labels(config)
         + check_free_now(config)
@@ -184,11 +185,19 @@ def check_score(config: Config, reported: set[str]) -> list[str]:
 
 
 def check_batches(config: Config, train_rows: int) -> list[str]:
-    """Batch arithmetic per worker: an epoch of no step is refused, a batch larger than a worker's
-    share of the rows is named (each epoch would be one short step)."""
-    t, workers = config.train, config.scaling.num_workers
+    """Batch arithmetic per worker, on each number of workers the run may have (the most first: the
+    fewest rows each): an epoch of no step is refused, a batch larger than a worker's share of the
+    rows is named (each epoch would be one short step)."""
+    for workers in reversed(worker_counts(config.scaling.num_workers)):
+        if problems := _batches_on(config, train_rows, workers):
+            return problems
+    return []
+
+
+def _batches_on(config: Config, train_rows: int, workers: int) -> list[str]:
+    t, accumulation = config.train, config.accumulation_on(workers)
     rows = train_rows // workers
-    batches = data.batches_per_epoch(train_rows, workers, t.batch_size, t.drop_last)
+    batches = batches_per_epoch(train_rows, workers, t.batch_size, t.drop_last)
     share = f"{train_rows} training rows over {workers} workers are {rows} per worker"
     if batches == 0:
         return [
@@ -202,32 +211,50 @@ def check_batches(config: Config, train_rows: int) -> list[str]:
             f"train.batch_size: {share}, fewer than one batch of {t.batch_size}: each epoch would be one short "
             f"step of {rows} rows per worker; use train.batch_size <= {rows}"
         )
-    if t.grad_accum_steps > batches:
+    if accumulation > batches:
+        s = config.scaling
+        per_step = (
+            f"{t.grad_accum_steps} on {s.max_workers} workers, {accumulation} micro-batches per step on {workers}"
+            if s.elastic
+            else f"{accumulation} micro-batches per step"
+        )
         problems.append(
-            f"train.grad_accum_steps: {t.grad_accum_steps} micro-batches per step, but each worker has {batches} "
-            f"batch(es) of {t.batch_size} an epoch; lower it to <= {batches} or the batch size"
+            f"train.grad_accum_steps: {per_step}, but each worker has {batches} batch(es) of {t.batch_size} an "
+            f"epoch; lower it to <= {batches * workers // s.max_workers} or the batch size"
         )
     return problems
 
 
-def check_resize(config: Config, saved: Mapping[str, Any] | None, train_rows: int) -> list[str]:
-    """A run resumed on another number of workers (`_resized`) must make the same optimizer steps an
-    epoch, or its learning-rate schedule would shift: how the rows round into batches may differ."""
+def check_steps(config: Config, saved: Mapping[str, Any] | None, train_rows: int) -> list[str]:
+    """Every number of workers a run may train on (each of an elastic range, and the one it ran on
+    before a resume: `_resized`) must make the same optimizer steps an epoch, or the learning-rate
+    schedule and the step count would depend on it: how the rows round into batches may differ."""
+    t, s = config.train, config.scaling
+
+    def steps(workers: int, per_step: int) -> int:
+        return optimizer_steps(batches_per_epoch(train_rows, workers, t.batch_size, t.drop_last), per_step // workers)
+
+    per_step = config.micro_batches_per_step
+    made = {workers: steps(workers, per_step) for workers in worker_counts(s.num_workers)}  # one count, or each
+    if len(set(made.values())) > 1:
+        shown = ", ".join(f"{n} on {w} × {per_step // w}" for w, n in made.items())
+        fix = "set train.drop_last=true or a" if not t.drop_last else "choose a"
+        return [
+            f"scaling.num_workers={list(s.num_workers)}: {train_rows} training rows make a different number of "
+            f"optimizer steps an epoch on each count of workers ({shown} micro-batches a step): the learning-rate "
+            f"schedule would depend on it; {fix} train.batch_size that splits the rows the same way on each"
+        ]
     if saved is None:
         return []
-    t = config.train
-    was = (saved["scaling"]["num_workers"], saved["train"].get("grad_accum_steps", 1))
-    now = (config.scaling.num_workers, t.grad_accum_steps)
-
-    def steps(workers: int, accumulation: int) -> int:
-        return optimizer_steps(data.batches_per_epoch(train_rows, workers, t.batch_size, t.drop_last), accumulation)
-
-    if was == now or steps(*was) == steps(*now):
+    was = (max(worker_counts(saved["scaling"]["num_workers"])), saved["train"].get("grad_accum_steps", 1))
+    made_before = steps(was[0], was[0] * was[1])
+    if made_before == made[s.max_workers]:
         return []
     return [
-        f"scaling.num_workers: {train_rows} training rows make {steps(*now)} optimizer steps an epoch on {now[0]} "
-        f"workers × train.grad_accum_steps {now[1]}, the run made {steps(*was)} on {was[0]} × {was[1]}: its "
-        "learning-rate schedule would shift; resume on a number of workers that splits the rows the same way"
+        f"scaling.num_workers: {train_rows} training rows make {made[s.max_workers]} optimizer steps an epoch on "
+        f"{s.max_workers} workers × train.grad_accum_steps {t.grad_accum_steps}, the run made {made_before} on "
+        f"{was[0]} × {was[1]}: its learning-rate schedule would shift; resume on a number of workers that splits "
+        "the rows the same way"
     ]
 
 
@@ -359,8 +386,8 @@ def check_lasting_paths(config: Config) -> list[str]:
 
 
 def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
-    """Whether the cluster can ever place the workers. Ray would otherwise wait forever, silently, for
-    resources that will not come."""
+    """Whether the cluster can ever place the workers (an elastic run's least). Ray would otherwise wait
+    forever, silently, for resources that will not come."""
     s, per_worker = config.scaling, capacity.per_worker(config)
     autoscaler = session.autoscaler_config()
     nodes = _node_shapes(autoscaler)
@@ -368,14 +395,14 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
     where = ("at most, with the autoscaler" if autoscaler else f"{len(nodes)} node(s)") + f": {_describe(most)}"
     problems = []
     for key, amount in per_worker.items():
-        if amount * s.num_workers > most.get(key, 0.0):
+        if amount * s.min_workers > most.get(key, 0.0):
             fix = (
                 "set scaling.use_gpu=false"
                 if key == "GPU" and most.get("GPU", 0) == 0
                 else ("lower scaling.num_workers or scaling.resources_per_worker")
             )
             problems.append(
-                f"scaling: {s.num_workers} workers × {key} {amount:g} need {key} {amount * s.num_workers:g}, "
+                f"scaling: {s.min_workers} workers × {key} {amount:g} need {key} {amount * s.min_workers:g}, "
                 f"the cluster has {most.get(key, 0.0):g} ({where}); {fix}"
             )
     if not problems and not any(all(node.get(k, 0.0) >= v for k, v in per_worker.items()) for node, _ in nodes):
@@ -389,7 +416,8 @@ def check_resources(config: Config, datasets: dict[str, Any]) -> list[str]:
         if isinstance(ds, stream.Stream)
         or (isinstance(ds, ray.data.Dataset) and not isinstance(ds, MaterializedDataset))
     ]
-    left = most.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * s.num_workers
+    placed = min([s.max_workers, *(int(most.get(k, 0.0) // v) for k, v in per_worker.items() if v > 0)])
+    left = most.get("CPU", 0.0) - per_worker.get("CPU", 0.0) * placed
     if not problems and lazy and left < 1:
         problems.append(
             f"scaling.resources_per_worker: the workers take {most['CPU'] - left:g} of {most['CPU']:g} CPUs, "
@@ -452,27 +480,31 @@ def resume_conflicts(saved: Mapping[str, Any], config: Config) -> list[str]:
     ]
 
 
-def _resized(workers: int, accumulation: int, config: Config) -> list[str]:
-    """A run may resume on another number of workers keeping its global batch (batch_size × workers ×
-    grad_accum_steps rows a step): the same optimizer steps an epoch, the same schedule, and each
-    rank's share of an epoch drawn afresh from (seed, epoch). It resumes at an epoch's end: a
-    mid-epoch position names what each of the old ranks had read (`checkpoint.resumable_on`)."""
-    now_workers, now_accumulation = config.scaling.num_workers, config.train.grad_accum_steps
-    if (now_workers, now_accumulation) == (workers, accumulation):
+def _resized(workers: int | Sequence[int], accumulation: int, config: Config) -> list[str]:
+    """A run may resume on another number of workers, or range of them, keeping its global batch
+    (batch_size × max workers × grad_accum_steps rows a step): the same optimizer steps an epoch, the
+    same schedule, and each rank's share of an epoch drawn afresh from (seed, epoch). It resumes at an
+    epoch's end: a mid-epoch position names what each of the old ranks had read
+    (`checkpoint.resumable_on`). An elastic run resizes by the same rule (`Config.accumulation_on`)."""
+    per_step = max(worker_counts(workers)) * accumulation
+    if config.micro_batches_per_step == per_step:
         return []
-    per_step = workers * accumulation
-    was = f"{workers} workers × train.grad_accum_steps {accumulation}"
-    if now_workers * now_accumulation != per_step:
-        fix = (
-            f"with {now_workers} workers set train.grad_accum_steps={per_step // now_workers}"
-            if per_step % now_workers == 0
-            else f"use a number of workers that divides {per_step}"
-        )
-        return [
-            f"scaling.num_workers: the run steps on {per_step} micro-batches of train.batch_size ({was}); "
-            f"{now_workers} workers × train.grad_accum_steps {now_accumulation} would change its global batch: {fix}"
-        ]
-    return []
+    most, at_most = config.scaling.max_workers, " at most" if config.scaling.elastic else ""
+    fix = (
+        f"with {most} workers{at_most} set train.grad_accum_steps={per_step // most}"
+        if per_step % most == 0
+        else f"use a number of workers that divides {per_step}"
+    )
+    was = f"{_counted(workers)} × train.grad_accum_steps {accumulation}"
+    now = f"{_counted(config.scaling.num_workers)} × train.grad_accum_steps {config.train.grad_accum_steps}"
+    return [
+        f"scaling.num_workers: the run steps on {per_step} micro-batches of train.batch_size ({was}); "
+        f"{now} would change its global batch: {fix}"
+    ]
+
+
+def _counted(workers: int | Sequence[int]) -> str:
+    return f"{workers} workers" if isinstance(workers, int) else f"{workers[0]}–{workers[1]} workers"
 
 
 def _node_shapes(config) -> list[tuple[dict[str, float], int]]:

@@ -23,6 +23,10 @@ CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # Off by default: Ray Train's record of its runs (a detached state actor), which the dashboard shows.
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
+PLACEMENT_WAIT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # the placement group's wait (Ray: 60 s)
+# A healthy placement takes well under a second; an elastic run never waits for a node to come (it
+# starts on those alive, then grows), only for Ray's count of the cluster to catch up.
+ELASTIC_PLACEMENT_WAIT_S = 15
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 
@@ -54,9 +58,13 @@ def connect(address: RayAddress, verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
 
 
-def fit_environment(controller_poll_s: float) -> dict[str, str]:
+def fit_environment(controller_poll_s: float, elastic: bool) -> dict[str, str]:
     """What Ray Train reads from the driver's environment when fit() starts (and passes to its
     controller and workers): the controller's poll interval, and
+    - for an elastic run, a short wait for the workers' placement group (ELASTIC_PLACEMENT_WAIT_S):
+      Ray Train sizes it from what it last saw of the cluster, and after a node's loss that is the
+      lost node too; only once the wait ends does it ask again for as many workers as fit (Ray's
+      60 s wait made a shrink take a minute);
     - on a cluster of one machine with no autoscaler, no preemption watcher: no other node can be
       drained there, and the watcher is one more process to start (a second of CPU on a small
       machine) before the first step;
@@ -65,6 +73,8 @@ def fit_environment(controller_poll_s: float) -> dict[str, str]:
       that hold them from it (capacity.holders).
     The user's own setting of either wins."""
     values = {CONTROLLER_POLL_ENV: str(controller_poll_s)}
+    if elastic:
+        values[PLACEMENT_WAIT_ENV] = os.environ.get(PLACEMENT_WAIT_ENV, str(ELASTIC_PLACEMENT_WAIT_S))
     alive = [node for node in ray.nodes() if node["Alive"]]
     if len(alive) == 1 and autoscaler_config() is None:
         values[PREEMPTION_WATCHER_ENV] = os.environ.get(PREEMPTION_WATCHER_ENV, "0")

@@ -39,8 +39,9 @@ class RunSummary:
 def show(console: Console, summary: RunSummary) -> None:
     best = summary.metrics
     rows = [(f"{k} (global)", f"{v:.4f}") for k, v in best.items() if is_quality_metric(k, v) and k != "train_loss"]
+    workers = best.get("workers", summary.workers)  # reported with it: an elastic run's may change
     rows += [
-        ("validation samples", f"{best.get('val_samples')} (each counted once across {summary.workers} workers)"),
+        ("validation samples", f"{best.get('val_samples')} (each counted once across {workers} workers)"),
         ("throughput", f"{throughput(summary.final_metrics)} (last epoch)"),
         ("best checkpoint", f"{summary.best_checkpoint}  (epoch {best.get('epoch'):.4g}, step {best.get('step')})"),
         *_registration_rows(summary),

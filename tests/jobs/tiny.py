@@ -8,7 +8,7 @@ drives the model's initialization, the shuffle and dropout, through the service.
 
 Faults (`model.faults`, with `model.fault_log` a directory the test owns) are "RANK:N:ACTION": when
 rank RANK (or `*`, every rank) makes its N-th training forward pass, counted over all attempts of
-the run (each pass appends the worker's pid to fault_log/rank<R>.log, so the log also tells the
+the run (each pass appends "<world size>:<pid>" to fault_log/rank<R>.log, so the log also tells the
 attempts apart; and its rows' first features, which tell rows apart, to fault_log/rows<R>.log).
 `exit` (os._exit) and `kill` (SIGKILL) fire at pass N only; `raise` (a
 RuntimeError), `nan` (a NaN output) and `noscore` (evaluate drops the `mse` metric) hold from pass
@@ -56,10 +56,11 @@ class MLP(nn.Module):
     def _inject(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         import ray.train
 
-        rank = ray.train.get_context().get_world_rank()
+        context = ray.train.get_context()
+        rank = context.get_world_rank()
         log = Path(self.fault_log) / f"rank{rank}.log"
         with log.open("a") as f:
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{context.get_world_size()}:{os.getpid()}\n")
         with (Path(self.fault_log) / f"rows{rank}.log").open("a") as f:  # each row by its first feature
             f.write(" ".join(f"{v:.6f}" for v in x[:, 0].tolist()) + "\n")
         passes = len(log.read_text().split())

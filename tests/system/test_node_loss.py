@@ -224,3 +224,117 @@ def test_a_run_that_does_not_fit_next_to_another_names_it_and_gives_up_or_is_ref
         versions=0,
         note=f"named the run holding them; gave up after run.resources_wait_s=8; with 0 refused in {refused_s:.0f} s",
     )
+
+
+def test_an_elastic_run_grows_when_a_node_joins_and_goes_on_with_fewer_workers_when_it_dies(cluster, tmp_path, record):
+    """scaling.num_workers=[1, 2] on the head alone: the run starts on the 1 worker there is room for.
+    A node joins, and within scaling.resize_check_s (and Ray's count of the cluster) the run grows to 2;
+    the node dies, and the run goes on on 1, without waiting for a node; a second elastic run with room
+    for fewer than its least says it waits, and gives up after run.resources_wait_s. The global batch stays (one
+    step: 2 workers × 1 micro-batch, or 1 × 2): 128 steps an epoch throughout, and every epoch of every
+    attempt trains each of its 2,048 rows once (by row); each attempt starts at an epoch's end, the
+    partial epoch a resize cut short trained again whole."""
+    for name in list(cluster.workers):  # the head alone (earlier tests may have left a worker node)
+        cluster.kill_node(name)
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    seen: list[str] = []
+    driver = _train(
+        cluster,
+        tmp_path,
+        "scaling.num_workers=[1, 2]",
+        "scaling.resize_check_s=5",
+        "train.epochs=90",
+        "run.name=elastic",
+        "run.max_failures=1",  # the node's loss; a resize is not counted
+        f"model.fault_log={faults}",
+        popen=True,
+    )
+    _read_until(driver, r"^epoch +1/90 .*, 1 worker\b", seen)
+    cluster.add_node("joins")
+    joined_at = time.monotonic()
+    resized = _read_until(driver, r"^attempt 1 ended: (.*)$", seen)
+    _read_until(driver, r"^epoch +\d+/90 .*, 2 workers", seen)
+    grown_s = time.monotonic() - joined_at
+    [(name, doomed)] = cluster.workers.items()
+    cluster.kill_node(name)
+    killed_at = time.monotonic()
+    failed = _read_until(driver, r"^attempt 2 failed: (.*)$", seen)
+    _read_until(driver, r"^epoch +\d+/90 .*, 1 worker\b", seen)
+    shrunk_s = time.monotonic() - killed_at
+    with ThreadPoolExecutor(1) as pool:
+        # Meanwhile a second elastic run, of at least 2 workers × ½ CPU, where Ray Train counts room for
+        # 1 next to the first run's: Ray's elastic policy waits there without a word, and with no
+        # placement group to watch.
+        below = pool.submit(
+            _train,
+            cluster,
+            tmp_path,
+            "scaling.num_workers=[2, 3]",
+            "train.grad_accum_steps=2",
+            "scaling.resources_per_worker={CPU: 0.5}",
+            "run.resources_wait_s=4",
+            "run.name=below-min",
+        )
+        for line in iter(driver.stdout.readline, ""):  # the first run's lines, meanwhile
+            seen.append(line)
+            if below.done():
+                break
+        waited = below.result()
+    out = "".join(seen) + driver.communicate(timeout=300)[0]
+
+    assert driver.returncode == 0, out[-4000:]
+    assert re.fullmatch(
+        r"resized from 1 to 2 workers — restarted from epoch_00\d\d \(not counted in run\.max_failures\)",
+        resized.group(1),
+    ), resized.group(0)
+    assert re.match(rf"node \S+ \(id {doomed[:8]}\) was lost, with rank [01] ", failed.group(1)), failed.group(0)
+    attempts = _epochs_by_attempt(faults, rows=2048, batch_size=8)
+    assert [world for world, _, _ in attempts] == [1, 2, 1]
+    every_row = attempts[0][1][0]
+    assert len(every_row) == 2048
+    for world, epochs, _ in attempts:
+        assert epochs and all(epoch == every_row for epoch in epochs), f"an epoch on {world} workers"
+    run_dir = tmp_path / "runs" / "elastic"
+    final = ckpt.open_verified(run_dir / "epoch_0090").metrics()
+    assert (final["step"], final["workers"]) == (90 * 128, 1)  # 128 steps an epoch on either
+    [version] = MlflowClient(f"sqlite:///{tmp_path / 'elastic'}.db").search_model_versions("name = 'tiny'")
+    assert waited.returncode == 1, waited.stdout[-3000:] + waited.stderr[-3000:]
+    said = waited.stdout + waited.stderr
+    assert "resources did not come within 4 s (run.resources_wait_s): 2–3 workers (elastic) × {CPU: 0.5}" in said
+    wasted = sum(partial for _, _, partial in attempts)
+    record(
+        "an elastic run (`scaling.num_workers=[1, 2]`) on the head alone; a node joins, then dies",
+        attempts=3,
+        resumed="the epoch's end before each resize",
+        wasted=f"{wasted} micro-batches (the partial epochs cut short)",
+        checkpoints=len(list(run_dir.glob("epoch_*"))),
+        versions=1,
+        note=f"on 2 workers {grown_s:.0f} s after the node joined; on 1 again {shrunk_s:.0f} s after it died; "
+        "each epoch's rows once, 128 steps an epoch throughout",
+    )
+
+
+def _epochs_by_attempt(faults: Path, rows: int, batch_size: int) -> list[tuple[int, list[list[str]], int]]:
+    """For each attempt in order, from tiny's logs: its world size, the rows (sorted) of each of its
+    whole epochs over all its ranks, and its micro-batches past the last whole epoch. Rank 0 is in
+    every attempt; rank 1 in those of 2 workers."""
+    ranks = {}
+    for rank in (0, 1):
+        passes: dict[str, list[list[str]]] = {}  # "<world size>:<pid>": the rows of each pass
+        tags, batches = (faults / f"rank{rank}.log"), (faults / f"rows{rank}.log")
+        for tag, batch in zip(tags.read_text().split(), batches.read_text().splitlines()):
+            passes.setdefault(tag, []).append(batch.split())
+        ranks[rank] = iter(passes.items())
+    attempts = []
+    for tag, own in ranks[0]:
+        world = int(tag.split(":")[0])
+        logs = [own, *(next(ranks[1])[1] for _ in range(world - 1))]
+        per_epoch = rows // world // batch_size
+        whole = min(len(log) for log in logs) // per_epoch
+        epochs = [
+            sorted(row for log in logs for batch in log[e * per_epoch : (e + 1) * per_epoch] for row in batch)
+            for e in range(whole)
+        ]
+        attempts.append((world, epochs, len(own) - whole * per_epoch))
+    return attempts

@@ -263,3 +263,34 @@ def test_a_checkpoint_trained_again_at_the_same_step_and_score_ranks_by_ray_orde
     """A step retrained after a damaged checkpoint (`epoch_0003-retrained`): Ray lists it later, so better."""
     reported = [("epoch_0003", {"val_x": 0.5, "step": 18}), ("epoch_0003-retrained", {"val_x": 0.5, "step": 18})]
     assert [name for name, _ in ckpt.best_first(reported, "val_x", "min")] == ["epoch_0003-retrained", "epoch_0003"]
+
+
+def test_a_run_on_another_number_of_workers_passes_over_their_mid_epoch_checkpoints(tmp_path):
+    """Checkpoints written by 2 workers, mid-epoch 1 (step 4), epoch 1's end (6), mid-epoch 2 (8): on 1
+    worker the mid-epoch ones, positions in the 2 workers' data, are passed over for epoch 1's end.
+    With only mid-epoch 1 left, an elastic run (`start_over`) trains from the start, passing it over
+    too; any other run is refused, naming it."""
+    model, updater = _trained_parts()
+    run = []
+    for step, epoch, batches in ((4, 0, 4), (6, 1, 0), (8, 1, 2)):
+        directory = tmp_path / ckpt.dir_name(epoch, step, batches)
+        directory.mkdir()
+        state = ckpt.TrainingState(epoch, step, updater.state_dict(), [ckpt.rng_state()] * 2, batches)
+        ckpt.save(directory, model=model, state=state, config={}, metrics={"step": step, "workers": 2})
+        run.append((ray.train.Checkpoint.from_directory(str(directory)), {"step": step}))
+    latest = run[-1][0]
+
+    with ckpt.open_resume_point(latest, run, (), world_size=2) as opened:
+        assert opened.name == "epoch_0002-step_0000008" and opened.skipped == []
+    with ckpt.open_resume_point(latest, run, (), world_size=1) as opened:
+        assert opened.name == "epoch_0001"
+        assert [str(s) for s in opened.skipped] == [
+            "epoch_0002-step_0000008: mid-epoch, a position in the data of 2 workers, not 1"
+        ]
+
+    first = run[0][0]
+    with ckpt.open_resume_point(first, run[:1], (), world_size=1, start_over=True) as opened:
+        assert opened.checkpoint is None and [s.name for s in opened.skipped] == ["epoch_0001-step_0000004"]
+    with pytest.raises(ckpt.NoValidCheckpoint, match="resumable on 1 workers"):
+        with ckpt.open_resume_point(first, run[:1], (), world_size=1):
+            pass

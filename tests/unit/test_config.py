@@ -67,7 +67,9 @@ def test_unknown_keys_name_the_path_the_allowed_keys_and_a_suggestion():
         ("train.epochs=2.5", "train.epochs", "valid integer"),
         ("train.optimizer=adam", "train.optimizer", "'adamw' or 'sgd'"),
         ("checkpoint.score_order=up", "checkpoint.score_order", "'max' or 'min'"),
-        ("scaling.num_workers=0", "scaling.num_workers", "greater than or equal to 1"),
+        ("scaling.num_workers=0", "scaling.num_workers", "must be >= 1"),
+        ("scaling.num_workers=[2, 1]", "scaling.num_workers", "a range [min, max] with 1 <= min <= max"),
+        ("scaling.num_workers=[1, 2, 3]", "scaling.num_workers", "or an elastic range [min, max] (e.g. [1, 2])"),
         ("dataset.val_fraction=1.5", "dataset.val_fraction", "less than 1"),
         ("model.num_classes=ten", "model.num_classes", "valid integer"),
     ],
@@ -101,6 +103,21 @@ def test_checks_across_a_section_say_what_to_change(override, key, says):
 def test_a_mapping_override_merges_into_the_yaml_mapping():
     config = load_config("digits", overrides=["scaling.use_gpu=true", "scaling.resources_per_worker={GPU: 1}"])
     assert config.scaling.resources_per_worker == {"CPU": 0.5, "GPU": 1.0}
+
+
+def test_an_elastic_range_keeps_the_global_batch_on_each_count_of_workers():
+    """An optimizer step is max workers × grad_accum_steps micro-batches; on fewer workers each
+    accumulates more. A count in the range that cannot share a step evenly is refused, naming the
+    accumulation that would let it."""
+    config = load_config("digits", overrides=["scaling.num_workers=[2, 4]", "train.grad_accum_steps=3"])
+    assert (config.scaling.min_workers, config.scaling.max_workers, config.micro_batches_per_step) == (2, 4, 12)
+    assert [config.accumulation_on(w) for w in (2, 3, 4)] == [6, 4, 3]
+    assert load_config("digits", overrides=["scaling.num_workers=[3, 3]"]).scaling.num_workers == 3  # not elastic
+    assert problems("scaling.num_workers=[2, 4]") == [
+        "scaling.num_workers=[2, 4]: an optimizer step is 4 micro-batches (4 workers × train.grad_accum_steps 1), "
+        "which 3 worker(s) cannot share evenly; set train.grad_accum_steps to a multiple of 3 (on 4 workers; more "
+        "on fewer), or choose a range whose counts all divide 4"
+    ]
 
 
 def test_zero_workers_with_a_gpu_is_rejected():

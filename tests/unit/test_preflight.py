@@ -18,8 +18,8 @@ from raytrain_ddp.preflight import (
     check_batches,
     check_compile,
     check_recipe,
-    check_resize,
     check_score,
+    check_steps,
     resume_conflicts,
 )
 
@@ -238,9 +238,42 @@ def test_a_resize_that_would_change_the_steps_of_an_epoch_is_refused(tmp_path):
     saved = with_overrides(config, "scaling.num_workers=1", "train.grad_accum_steps=4").to_dict()
 
     on_4 = with_overrides(config, "scaling.num_workers=4", "train.grad_accum_steps=1")
-    assert check_resize(on_4, None, 81) == [] and check_resize(on_4, saved, 80) == []  # 2 steps on both
-    [problem] = check_resize(on_4, saved, 81)
+    assert check_steps(on_4, None, 81) == [] and check_steps(on_4, saved, 80) == []  # 2 steps on both
+    [problem] = check_steps(on_4, saved, 81)
     assert problem.startswith(
         "scaling.num_workers: 81 training rows make 2 optimizer steps an epoch on 4 workers × train.grad_accum_steps "
         "1, the run made 3 on 1 × 4"
     )
+
+
+def test_an_elastic_range_must_make_the_same_steps_an_epoch_on_each_count_of_workers(tmp_path):
+    """81 rows in batches of 10, workers [1, 2]: 9 batches on 1 worker accumulating 2 make 5 steps, 4
+    batches of 40 rows on each of 2 make 4; with drop_last, 8 and 4 batches: 4 steps on both."""
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = with_overrides(load_config(str(tmp_path / "job.py")), "train.batch_size=10", "scaling.num_workers=[1, 2]")
+    [problem] = check_steps(config, None, 81)
+    assert problem == (
+        "scaling.num_workers=[1, 2]: 81 training rows make a different number of optimizer steps an epoch on each "
+        "count of workers (5 on 1 × 2, 4 on 2 × 1 micro-batches a step): the learning-rate schedule would depend "
+        "on it; set train.drop_last=true or a train.batch_size that splits the rows the same way on each"
+    )
+    assert check_steps(with_overrides(config, "train.drop_last=true"), None, 81) == []
+    # The batch arithmetic is checked on each count: on 2 workers, 40 rows are fewer than a batch of 50.
+    [short] = check_batches(with_overrides(config, "train.batch_size=50"), 81)
+    assert "40 per worker, fewer than one batch of 50" in short
+
+
+def test_a_run_may_resume_elastic_keeping_its_global_batch(tmp_path):
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = with_overrides(load_config(str(tmp_path / "job.py")), "scaling.num_workers=2")
+    saved = config.to_dict()  # 2 workers × 1 micro-batch a step
+
+    assert resume_conflicts(saved, with_overrides(config, "scaling.num_workers=[1, 2]")) == []
+    [wider] = resume_conflicts(saved, with_overrides(config, "scaling.num_workers=[2, 4]", "train.grad_accum_steps=3"))
+    assert wider == (
+        "scaling.num_workers: the run steps on 2 micro-batches of train.batch_size (2 workers × "
+        "train.grad_accum_steps 1); 2–4 workers × train.grad_accum_steps 3 would change its global batch: use a "
+        "number of workers that divides 2"
+    )
+    elastic = with_overrides(config, "scaling.num_workers=[1, 2]").to_dict()
+    assert resume_conflicts(elastic, with_overrides(config, "scaling.num_workers=1", "train.grad_accum_steps=2")) == []
