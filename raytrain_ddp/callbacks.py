@@ -101,7 +101,7 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
     def after_controller_state_update(self, previous_state, current_state) -> None:
         """The controller's state, when it changes: whether it is deciding how many workers to start
         (an elastic run below its minimum waits there, with no placement group to watch); a resize
-        (an elastic run found room for more workers); a preemption begun (a node of the workers is
+        (an elastic run's room changed); a preemption begun (a node of the workers is
         being drained) or over (the workers restart, or the run ends). Ray Train calls no other
         callback for these."""
         was, now = type(previous_state).__name__, type(current_state).__name__

@@ -67,7 +67,7 @@ class LiveProgress:
         # whose checkpoint becomes the best, by the rule registration follows (checkpoint.rank).
         self.best = None if plan.resume.best is None else rank(plan.resume.best, self.score, self.order)
         self.failures: list[str] = []  # every failed attempt, preemptions and resizes included
-        self._counted = 0  # those that count against run.max_failures (not preemptions)
+        self._counted = 0  # those that count against run.max_failures (not preemptions nor resizes)
         self.lost: list[str] = []  # the nodes lost with the latest failed attempt, described
         self.stopped: str | None = None
         self.config, self.gave_up = config, None  # gave_up: why the driver ended the run, if it did

@@ -71,7 +71,7 @@ def fit_environment(controller_poll_s: float, elastic: bool) -> dict[str, str]:
     - on a cluster of several machines or with an autoscaler, Ray Train's record of its runs (its
       state actor, which the dashboard shows): a run whose workers wait for resources names the runs
       that hold them from it (capacity.holders).
-    The user's own setting of either wins."""
+    The user's own setting of any of them wins."""
     values = {CONTROLLER_POLL_ENV: str(controller_poll_s)}
     if elastic:
         values[PLACEMENT_WAIT_ENV] = os.environ.get(PLACEMENT_WAIT_ENV, str(ELASTIC_PLACEMENT_WAIT_S))
