@@ -414,7 +414,7 @@ def _report_again(opened: ckpt.Opened) -> None:
         metrics,
         checkpoint=on_storage,
         checkpoint_dir_name=opened.name,
-        checkpoint_upload_fn=lambda checkpoint, _name: checkpoint,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,  # on storage already, as a sync checkpoint is
     )
 
 
