@@ -23,9 +23,10 @@ from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.queue import Queue
 
-from raytrain_ddp.metrics import GENERATED, STOPPED
+from raytrain_ddp.metrics import GENERATED, STOPPED, STOPPED_EARLY
 
 GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
+STOPPED_EARLY_TAG = "raytrain_ddp.stopped_early"  # on the MLflow run that early stopping ended: why
 # MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
 # is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
 BOUNDED_RETRIES = {
@@ -160,8 +161,8 @@ class MLflowMetrics(ray.train.UserCallback):
         batch = [(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
         if self._logger is None:
             self._start()
-        logged = self._logger.submit(self._log, step, batch, reported.get(GENERATED))
-        if reported["epoch"] >= self.epochs or STOPPED in reported:
+        logged = self._logger.submit(self._log, step, batch, reported.get(GENERATED), reported.get(STOPPED_EARLY))
+        if reported["epoch"] >= self.epochs or STOPPED in reported or STOPPED_EARLY in reported:
             logged.result()
 
     def after_exception(self, run_context, worker_exceptions) -> None:
@@ -185,7 +186,9 @@ class MLflowMetrics(ray.train.UserCallback):
             logger.warning("MLflow: not reachable at the start (%s); each report will try again", e)
             return None
 
-    def _log(self, step: int, batch: list[tuple], generated: list[dict[str, str]] | None) -> None:
+    def _log(
+        self, step: int, batch: list[tuple], generated: list[dict[str, str]] | None, stopped_early: str | None
+    ) -> None:
         try:
             from mlflow.entities import Metric
             from mlflow.tracking import MlflowClient
@@ -195,6 +198,8 @@ class MLflowMetrics(ray.train.UserCallback):
             if generated:  # one table for the run, a row per sample and evaluation
                 columns = {key: [row[key] for row in generated] for key in generated[0]}
                 client.log_table(self.run_id, {"step": [step] * len(generated), **columns}, GENERATED_FILE)
+            if stopped_early:
+                client.set_tag(self.run_id, STOPPED_EARLY_TAG, stopped_early)
         except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
             logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
 

@@ -80,6 +80,7 @@ class TrainingState:
     rng: list[dict[str, Any]]  # one per world rank, from `rng_state()`
     batches: int = 0  # micro-batches of epoch `epoch + 1` already trained; 0 at the end of an epoch
     meters: list[dict[str, Any]] = field(default_factory=list)  # per rank, mid-epoch: `metrics.EpochMeter` fields
+    early_stopping: dict[str, Any] = field(default_factory=dict)  # `EarlyStopping.state_dict()`: {} before it existed
 
 
 def dir_name(epoch: int, step: int, batches: int) -> str:

@@ -30,6 +30,22 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class EarlyStoppingSettings(_Section):
+    """When a run ends before train.epochs: its checkpoint score (checkpoint.score_attribute) no
+    longer improving (see early_stopping.py)."""
+
+    patience: int | None = Field(
+        None,
+        ge=1,
+        description="end the run (finished: its best checkpoint registers) after this many evaluations in a row "
+        "without improvement of checkpoint.score_attribute; an evaluation is each report (epoch ends, and every "
+        "checkpoint.every_n_steps); null = off",
+    )
+    min_delta: float = Field(
+        0.0, ge=0, description="an improvement smaller than this (in the score's units) does not count as one"
+    )
+
+
 class TrainSettings(_Section):
     """How each worker optimizes."""
 
@@ -79,6 +95,7 @@ class TrainSettings(_Section):
         description="torch.compile the model for training (a graph per batch shape, compiled on first use: "
         "seconds to minutes before the first step for a faster step); evaluation stays eager",
     )
+    early_stopping: EarlyStoppingSettings = Field(default_factory=EarlyStoppingSettings)
 
 
 class DataSettings(_Section):

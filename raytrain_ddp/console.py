@@ -26,7 +26,7 @@ from raytrain_ddp import capacity, stream
 from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import position, rank
 from raytrain_ddp.flops import si
-from raytrain_ddp.metrics import GENERATED, STOPPED, STORAGE_RETRIED
+from raytrain_ddp.metrics import GENERATED, STOPPED, STOPPED_EARLY, STORAGE_RETRIED
 from raytrain_ddp.optim import Accumulation
 from raytrain_ddp.session import ELASTIC_PLACEMENT_WAIT_S
 from raytrain_ddp.timeline import MARKS, Timeline
@@ -258,6 +258,8 @@ class LiveProgress:
         for sample in m.get(GENERATED, [])[:1]:  # what the model says now, in a line
             said = " ".join(sample.get("generated", "").split())
             self.console.print(f"  [dim]generated:[/] {escape(said[:100])}", highlight=False)
+        if STOPPED_EARLY in m:
+            self.console.print(f"[green]stopping early[/]: {escape(m[STOPPED_EARLY])}")
         self._status.update(f"Training… epoch {epoch:.4g}/{self.epochs}")
         if self.last_epoch is not None and self.epochs - 1 <= epoch < self.epochs:
             self.last_epoch()

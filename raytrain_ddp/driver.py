@@ -29,6 +29,7 @@ from raytrain_ddp.callbacks import MLflowMetrics
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.loop import train_loop_per_worker
+from raytrain_ddp.metrics import STOPPED_EARLY
 from raytrain_ddp.plan import Plan
 from raytrain_ddp.registration import Registration, decided_already, register_best
 from raytrain_ddp.summary import RunSummary, show
@@ -86,17 +87,18 @@ def _keep_timeline(plan: Plan, kept: timeline.Timeline, console: Console, verbos
 
 @dataclass(frozen=True)
 class Trained:
-    epochs: int  # completed: all of them
-    final_metrics: dict[str, Any]  # reported at the end of the last epoch
+    epochs: int  # completed: all of them, or those before early stopping ended the run
+    final_metrics: dict[str, Any]  # reported at the end of the last epoch (or evaluation)
     best_checkpoints: list[tuple[ray.train.Checkpoint, dict[str, Any]]]  # the committed ones, with their metrics
     failures: list[str]  # one line per failed attempt of the workers
+    stopped_early: str | None = None  # why early stopping ended the run before train.epochs
 
 
 def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Trained:
-    """Train the plan's run to its last epoch, showing its progress. On the way out of a failure or
-    Ctrl-C the MLflow run is marked FAILED or KILLED, and RunFailed or RunInterrupted says what failed,
-    where the checkpoints are, the file with the workers' full tracebacks (printed too, `verbose`)
-    and the command that resumes."""
+    """Train the plan's run to its last epoch (or until early stopping ends it), showing its progress.
+    On the way out of a failure or Ctrl-C the MLflow run is marked FAILED or KILLED, and RunFailed or
+    RunInterrupted says what failed, where the checkpoints are, the file with the workers' full
+    tracebacks (printed too, `verbose`) and the command that resumes."""
     config = plan.config
     # While the last epoch trains, the driver loads what registering the model will take.
     registers = config.mlflow.register != "never" and plan.recipe.log_model is None
@@ -105,8 +107,9 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
         result = _fit(plan, run_id, progress)
         if progress.stopped is not None:
             raise RunFailed(progress.stopped)
-        epochs = int(result.metrics["epoch"]) if result.metrics else 0
-        if epochs < config.train.epochs:  # how an aborted fit() returns: no error, fewer epochs
+        metrics = result.metrics or {}
+        epochs = int(metrics.get("epoch", 0))
+        if epochs < config.train.epochs and STOPPED_EARLY not in metrics:  # how an aborted fit() returns
             raise RunInterrupted(f"stopped after epoch {epochs} of {config.train.epochs}")
     except BaseException as e:
         # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
@@ -125,7 +128,7 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
             f"run {config.run.name} {what}\ncheckpoints so far: {plan.run_path}\nresume: {plan.resume_command}"
         ) from e
     best = [(checkpoint, timeline.strip(metrics)) for checkpoint, metrics in result.best_checkpoints]
-    return Trained(epochs, timeline.strip(result.metrics or {}), best, progress.failures)
+    return Trained(epochs, timeline.strip(metrics), best, progress.failures, metrics.get(STOPPED_EARLY))
 
 
 def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) -> str:
@@ -221,6 +224,7 @@ def _already_finished(standing: planning.Standing, registration: Registration, w
         attempts=0,
         failures=[],
         already_finished=True,
+        stopped_early=standing.stopped_early,
     )
 
 
@@ -245,4 +249,5 @@ def _summarize(plan: Plan, trained: Trained, registration: Registration, run_id:
         resumed=plan.resume,
         attempts=1 + len(trained.failures),
         failures=trained.failures,
+        stopped_early=trained.stopped_early,
     )

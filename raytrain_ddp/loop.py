@@ -39,8 +39,18 @@ from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data, storage
 from raytrain_ddp.config import Config, DDPSettings
+from raytrain_ddp.early_stopping import EarlyStopping
 from raytrain_ddp.flops import ModelFlops
-from raytrain_ddp.metrics import GENERATED, STOPPED, STORAGE_RETRIED, EpochMeter, all_gather, combine
+from raytrain_ddp.metrics import (
+    GENERATED,
+    SINCE_BEST,
+    STOPPED,
+    STOPPED_EARLY,
+    STORAGE_RETRIED,
+    EpochMeter,
+    all_gather,
+    combine,
+)
 from raytrain_ddp.optim import Accumulation, Updater
 from raytrain_ddp.recipe import Recipe
 from raytrain_ddp.timeline import WorkerMarks
@@ -64,6 +74,7 @@ class Worker:
     example: dict[str, torch.Tensor]  # two validation rows: what the model generates from at each evaluation
     marks: WorkerMarks  # rank 0's phases (the run's timeline), sent with its next report
     flops: ModelFlops  # what a training step costs, and this rank's device's peak: for model FLOP/s and MFU
+    early_stopping: EarlyStopping  # the score's patience counter: the same on every rank
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loop_config["example"],
         marks,
         flops,
+        EarlyStopping.of(config, start.early_stopping),
     )
     marks.mark("model")
     step, blocked, step_count = start.step, Blocked(), None
@@ -130,7 +142,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     # 3. Train: one optimizer step per `accumulation.per_step` micro-batches. Evaluate and checkpoint
     #    every checkpoint.every_n_steps steps, as soon as a node of the run is being preempted, and at
-    #    the end of each epoch.
+    #    the end of each epoch; stop early once the score has not improved for train.early_stopping.patience
+    #    evaluations.
     every = config.checkpoint.every_n_steps
     for epoch in range(start.epoch, config.train.epochs):
         resumed = epoch == start.epoch and start.batches > 0
@@ -153,7 +166,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             preempted = preemption.just_now(step)
             if (due or preempted) and i + 1 < accumulation.micro_batches:
                 blocked = evaluate_and_checkpoint(worker, Position(epoch, i + 1, step), meter, blocked)
-                if blocked is None:
+                if blocked is None or worker.early_stopping.stops:
                     return
                 if preempted:
                     preemption.wait_for_the_restart()
@@ -165,7 +178,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if epoch + 1 == config.train.epochs:
             marks.mark("last step")
         blocked = evaluate_and_checkpoint(worker, Position(epoch + 1, 0, step), meter, blocked)
-        if blocked is None:
+        if blocked is None or worker.early_stopping.stops:
             return
         if preemption.seen and epoch + 1 < config.train.epochs:  # seen at the epoch's last step
             preemption.wait_for_the_restart()
@@ -261,7 +274,8 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
     """Evaluate, then report the global metrics from every rank, with rank 0's checkpoint of where
     training stands. Returns how long the checkpoint blocked training, or None when the run must stop:
     every rank sees the same global metrics, so every rank stops at the same report, which then
-    carries the reason and no checkpoint."""
+    carries the reason and no checkpoint. Every rank counts the evaluation in its early stopping's
+    patience alike; the report that spends it says why, with its checkpoint, and training ends."""
     config, model, recipe = worker.config, worker.model, worker.recipe
     own_buffers = not config.ddp.broadcast_buffers
     with meter.paused(), _rank0_buffers(model, keep_own=own_buffers), worker.updater.autocast():
@@ -286,9 +300,16 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
         if problem is not None:
             ray.train.report({**metrics, STOPPED: problem})
             return None
+        early = worker.early_stopping
+        early.update(metrics[config.checkpoint.score_attribute])
+        metrics[SINCE_BEST] = early.since_best
+        if early.stops and (at.epoch, at.batches) != (config.train.epochs, 0):  # else it ends anyway
+            metrics[STOPPED_EARLY] = early.reason()
         rng, meters = zip(*all_gather((ckpt.rng_state(), meter.state_dict() if at.batches else None)))
         meters = list(meters) if at.batches else []
-        state = ckpt.TrainingState(at.epoch, at.step, worker.updater.state_dict(), list(rng), at.batches, meters)
+        state = ckpt.TrainingState(
+            at.epoch, at.step, worker.updater.state_dict(), list(rng), at.batches, meters, early.state_dict()
+        )
         name = ckpt.dir_name(at.epoch, at.step, at.batches)
         name = f"{name}-retrained" if name in worker.retrained else name
         return _save_and_report(metrics, model, state, config, worker.rank, name)

@@ -41,6 +41,7 @@ TRAIN_METRICS = (
     "val_samples_per_worker",
     "epoch_time_s",
     "checkpoint_s",  # training blocked by the previous checkpoint
+    "evals_since_best",  # SINCE_BEST
 )
 TOKEN_METRICS = ("train_tokens", "tokens_per_s")
 FLOP_METRICS = ("model_flops_per_s",)  # when the model's FLOPs are known (flops.py)
@@ -48,6 +49,8 @@ FLOP_METRICS = ("model_flops_per_s",)  # when the model's FLOPs are known (flops
 # so not among `reported_metrics` (a score or a check cannot rely on them).
 MFU_METRICS = ("mfu", "mfu_per_worker")
 STOPPED = "stopped"  # only in a report without a checkpoint: why the workers stop the run (see loop.py)
+STOPPED_EARLY = "stopped_early"  # only in the report that ends a run early (early_stopping.py): why
+SINCE_BEST = "evals_since_best"  # evaluations since the score last improved (early_stopping.py)
 STORAGE_RETRIED = "storage_retried"  # only in rank 0's report, after transient storage errors were retried
 GENERATED = "generated"  # only in rank 0's report, with a recipe's generate_samples: [{column: text}]
 

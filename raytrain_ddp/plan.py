@@ -27,6 +27,7 @@ from rich.console import Console
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import data, layering, preflight, ray_address, session, storage, stream, timeline, tracking
 from raytrain_ddp.config import Config, ConfigError
+from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.flops import ModelFlops
 from raytrain_ddp.recipe import Recipe
@@ -57,8 +58,15 @@ class Standing:
 
     @property
     def finished(self) -> bool:
-        """Trained to train.epochs already: its newest checkpoint that verifies is the last epoch's."""
-        return self.resume.checkpoint is not None and self.resume.epoch >= self.config.train.epochs
+        """Trained to train.epochs already (its newest checkpoint that verifies is the last epoch's),
+        or ended by its early stopping (`stopped_early` says why)."""
+        return self.resume.checkpoint is not None and (
+            self.resume.epoch >= self.config.train.epochs or self.stopped_early is not None
+        )
+
+    @property
+    def stopped_early(self) -> str | None:
+        return None if self.resume.checkpoint is None else ended_early(self.resume.metrics, self.config)
 
 
 @dataclass(frozen=True)
@@ -152,14 +160,14 @@ def finished_config(run_path: str, tracking_uri: str | None) -> Config:
         raise ConfigError(name, [f"{run_path}: no committed checkpoint there; give the directory of a run"])
     with ckpt.open_resume_point(record.checkpoint, record.best_checkpoints) as latest:
         saved = Config.from_dict(latest.verified.config())
-        epoch = latest.verified.metrics()["epoch"]
+        metrics = latest.verified.metrics()
     config = saved.model_copy(
         update={
             "run": saved.run.model_copy(update={"storage_path": storage_path, "name": name}),
             "mlflow": saved.mlflow.model_copy(update={"tracking_uri": tracking_uri or saved.mlflow.tracking_uri}),
         }
     )
-    if epoch < config.train.epochs:
+    if (epoch := metrics["epoch"]) < config.train.epochs and ended_early(metrics, config) is None:
         resume = resume_command(_resolve(config, layering.origin_of(config).job.name))
         raise ConfigError(
             config.job,

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 # exception, with its own rule (`_resized`): it may change at an epoch's end, keeping the global batch.
 RESUMABLE = (
     "train.epochs",
+    "train.early_stopping.",
     "train.eval_batch_size",
     "train.num_loader_workers",
     "scaling.use_gpu",

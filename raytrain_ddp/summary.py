@@ -34,6 +34,7 @@ class RunSummary:
     attempts: int  # 1 + restarts of the workers after failures; 0: nothing trained (already_finished)
     failures: list[str]  # one line per failed attempt: which rank failed, how, and where it restarted
     already_finished: bool = False  # the run had finished before, its registration decided: nothing was done
+    stopped_early: str | None = None  # why early stopping ended the run before train.epochs (None: it did not)
 
 
 def show(console: Console, summary: RunSummary) -> None:
@@ -48,28 +49,39 @@ def show(console: Console, summary: RunSummary) -> None:
         ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
         *([("artifacts", ", ".join(summary.artifacts))] if summary.artifacts else []),
         ("MLflow UI", summary.ui_command),
-        ("train longer", f"{summary.extend_command}  (N > {summary.epochs})"),
+        ("train longer", _train_longer(summary)),
     ]
     resumed = summary.resumed
     if resumed.checkpoint and not summary.already_finished:
         rows.insert(0, ("resumed from", f"{resumed.checkpoint} (epoch {resumed.epoch:.4g}, step {resumed.step})"))
+    if summary.stopped_early:
+        rows.insert(0, ("stopped early", summary.stopped_early))
     if summary.failures:
         restarts = "; ".join(f"{i}: {failure}" for i, failure in enumerate(summary.failures, 1))
         rows.insert(0, ("attempts", f"{summary.attempts}, after failures: {restarts}"))
     minutes, seconds = divmod(round(summary.wall_time_s), 60)
     epochs = f"{summary.epochs} epoch{'s' if summary.epochs != 1 else ''}"
     if summary.already_finished:
+        longer = f"{summary.extend_command} with N > {summary.epochs}"
+        longer = _train_longer(summary) if summary.stopped_early else longer
         registered = "is registered" if summary.model is not None else "is not registered (see below)"
         console.print(
             f"[bold]{summary.run_name}[/] has already finished training ({epochs}) and its model {registered}: "
-            f"nothing to do. To train it longer: {escape(summary.extend_command)} with N > {summary.epochs}",
+            f"nothing to do. To train it longer: {escape(longer)}",
             highlight=False,
         )
     else:
-        console.print(f"\n[bold]{summary.run_name}[/] finished: {epochs} in {minutes}m {seconds:02d}s")
+        early = " (stopped early)" if summary.stopped_early else ""
+        console.print(f"\n[bold]{summary.run_name}[/] finished{early}: {epochs} in {minutes}m {seconds:02d}s")
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         console.print(f"  [bold]{key:<{width}}[/]  {escape(value)}", soft_wrap=True, highlight=False)
+
+
+def _train_longer(summary: RunSummary) -> str:
+    if summary.stopped_early:  # its patience is spent: more epochs alone would end at the next evaluation
+        return f"{summary.extend_command} train.early_stopping.patience=null  (or a larger patience)"
+    return f"{summary.extend_command}  (N > {summary.epochs})"
 
 
 def _registration_rows(summary: RunSummary) -> list[tuple[str, str]]:

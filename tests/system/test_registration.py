@@ -158,3 +158,44 @@ def test_never_registers_nothing_and_a_resume_whose_best_is_registered_adds_no_v
     # The resumed driver knows the run's best so far: epoch 2 is no ★, as epoch 1 stays the best.
     [epoch_2] = [line for line in out.splitlines() if re.match(r"epoch +2/2 ", line)]
     assert "★" not in epoch_2
+
+
+def test_early_stopping_ends_the_run_finished_registers_its_best_and_its_counter_survives_a_resume(
+    ray_session, workspace
+):
+    """Ranked by epoch (min), epoch 1 stays best: with patience 2 of 10 epochs the run stops after
+    epoch 3, finished, and registers epoch 1. Run again, it is done (no Ray); resumed with patience 3
+    it trains one epoch more, counting on from the checkpoint's 2 (from 0 it would train 3 more)."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ddp.callbacks import STOPPED_EARLY_TAG
+
+    early = (
+        "checkpoint.score_attribute=epoch",
+        "checkpoint.score_order=min",
+        "mlflow.model_name=tiny-early",
+        "train.epochs=10",
+        "run.name=early",
+    )
+    stopped, out = _run(workspace, *early, "train.early_stopping.patience=2")
+    assert stopped.epochs == 3 and stopped.attempts == 1
+    why = "epoch has not improved on its best, 1, for 2 evaluations (train.early_stopping.patience=2)"
+    assert stopped.stopped_early == why
+    assert f"stopping early: {why}" in out and "early finished (stopped early): 3 epochs in" in out
+    assert re.search(r"^  stopped early +epoch has not improved", out, re.M)
+    assert "train.early_stopping.patience=null  (or a larger patience)" in out
+    assert Path(stopped.best_checkpoint).name == "epoch_0001" and stopped.model.version == 1
+    client = MlflowClient(workspace.tracking_uri)
+    run = client.get_run(stopped.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.tags[STOPPED_EARLY_TAG] == why
+    history = client.get_metric_history(stopped.mlflow_run_id, "evals_since_best")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == [0, 1, 2]
+
+    done, out = _run(workspace, *early, "train.early_stopping.patience=2")
+    assert done.already_finished and done.attempts == 0 and done.stopped_early == why
+    assert "has already finished training (3 epochs)" in out
+
+    longer, out = _run(workspace, *early, "train.early_stopping.patience=3")
+    assert longer.resumed.checkpoint == "epoch_0003" and longer.epochs == 4
+    assert "for 3 evaluations (train.early_stopping.patience=3)" in longer.stopped_early
+    assert longer.model.version == 1 and "already registered" in longer.registration
