@@ -269,6 +269,18 @@ class RunSettings(_Section):
         description="how long the workers may wait for their resources (at the start, or after a node is lost) "
         "before the run fails with its resume command; 0 = refused at once unless they are free now",
     )
+    progress_s: float = Field(
+        2.0,
+        ge=0,
+        description="live progress between reports (step, loss, samples/s, ETA): rank 0 sends it at most this "
+        "often, from a thread of its own; a terminal redraws it in place; 0 = off (a line per report only)",
+    )
+    progress_log_s: float = Field(
+        60.0,
+        gt=0,
+        description="where the console is no terminal (a log, `ray job logs`, a notebook): a progress line at "
+        "most this often between reports, instead of the live display",
+    )
 
     @model_validator(mode="after")
     def _name_is_a_directory_name(self) -> RunSettings:

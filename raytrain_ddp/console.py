@@ -1,8 +1,10 @@
 """What the user sees while a run trains: the plan in a line, a line per report as they arrive, a line
-per failed attempt. (The summary at the end is `summary.py`'s.)
+per failed attempt, and between reports the live progress (progress.py). (The summary at the end is
+`summary.py`'s.)
 
 Reports and failures reach the Ray Train controller, not the driver; `callbacks.ProgressRelay` (a
 controller callback) puts each on a Ray queue that `LiveProgress` drains on the driver while `fit()` runs.
+Rank 0 puts its progress on the same queue (`progress.Beacon`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from raytrain_ddp.checkpoint import position, rank
 from raytrain_ddp.flops import si
 from raytrain_ddp.metrics import GENERATED, STOPPED, STOPPED_EARLY, STORAGE_RETRIED
 from raytrain_ddp.optim import Accumulation
+from raytrain_ddp.progress import PROGRESS, Progress
 from raytrain_ddp.session import ELASTIC_PLACEMENT_WAIT_S
 from raytrain_ddp.timeline import MARKS, Timeline
 
@@ -46,7 +49,8 @@ DECIDING_FOR_S = 12.0  # longer is a wait: an elastic decision asks Ray's autosc
 
 class LiveProgress:
     """Prints a line per report while training runs, and a line per failed attempt; a spinner shows
-    the phase on a terminal. Keeps what the driver needs afterwards: the failures, and why the run
+    the phase on a terminal, and the live progress between reports (elsewhere, a progress line every
+    run.progress_log_s). Keeps what the driver needs afterwards: the failures, and why the run
     stopped if the workers stopped it.
 
     Watches for workers that wait for resources (Ray's placement group of this driver's job pending,
@@ -79,6 +83,10 @@ class LiveProgress:
         self._deciding_since: float | None = None  # since when Ray Train's controller decides how many workers
         self._next_watch, self._announced = 0.0, False
         self._status = console.status(f"Starting {config.scaling.workers_text}…")
+        steps_per_epoch = Accumulation.on(config, plan.train_rows, config.scaling.max_workers).steps
+        self.progress = Progress(steps_per_epoch * self.epochs, plan.train_rows / steps_per_epoch, self.epochs)
+        self._live = console.is_terminal  # else a line every run.progress_log_s, no control characters
+        self._progress_line_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True)
 
@@ -131,14 +139,26 @@ class LiveProgress:
                 self._preempting(*event)
             elif kind == "preempted":
                 self._preempted(*event)
+            elif kind == PROGRESS:
+                self._progressed(*event)
             elif kind == "report":
                 metrics, self.latest = event
                 self._deciding_since = None
                 self.timeline.add(metrics.pop(MARKS, {}))
                 self._show(metrics)
             elif kind == "failure":
+                self.progress.restart()
                 self._failed(*event)
             self._watch()
+
+    def _progressed(self, note: dict[str, Any]) -> None:
+        self.progress.add(note)
+        now = time.monotonic()
+        if self._live:
+            self._status.update(self.progress.renderable())
+        elif now - self._progress_line_at >= self.config.run.progress_log_s:
+            self._progress_line_at = now
+            self.console.print(f"progress: {self.progress.text()}", highlight=False, markup=False)
 
     def _preempting(self, node_ranks: dict[str, list[int]], deadline_ms: int | None) -> None:
         nodes = "; ".join(f"node {node[:8]} (rank {', '.join(map(str, ranks))})" for node, ranks in node_ranks.items())
@@ -151,6 +171,7 @@ class LiveProgress:
         if not restarting:  # the run ended first (finished, or failed otherwise)
             return
         restart = f"restarted from {self._resumes_from(self.latest)} (not counted in run.max_failures)"
+        self.progress.restart()
         self.failures.append(f"{self._preemption} — {restart}")
         self.console.print(f"[yellow]attempt {len(self.failures)} ended[/]: {escape(self.failures[-1])}")
         self._status.update("Restarting the workers after the preemption…")
@@ -159,6 +180,7 @@ class LiveProgress:
         """Ray Train resizes an elastic run whose room changed (it looks every scaling.resize_check_s):
         an attempt ended, not failed."""
         restart = f"restarted from {self._resumes_from(self.latest)} (not counted in run.max_failures)"
+        self.progress.restart()
         self.failures.append(f"resized from {len(self._worker_nodes)} to {workers} workers — {restart}")
         self.console.print(f"[yellow]attempt {len(self.failures)} ended[/]: {escape(self.failures[-1])}")
         self._status.update(f"Restarting on {workers} workers…")
@@ -255,6 +277,7 @@ class LiveProgress:
         workers = m.get("workers") if self.config.scaling.elastic else None  # an elastic run's may change
         on = f", {workers} worker{'s' * (workers != 1)}" if workers else ""
         self.console.print(f"{where}  {values}  [dim]{m['epoch_time_s']:.1f}s, {throughput(m)}{on}[/]{best}")
+        self._progress_line_at = time.monotonic()  # a log's next progress line comes a whole interval later
         for sample in m.get(GENERATED, [])[:1]:  # what the model says now, in a line
             said = " ".join(sample.get("generated", "").split())
             self.console.print(f"  [dim]generated:[/] {escape(said[:100])}", highlight=False)

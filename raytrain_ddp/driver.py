@@ -174,6 +174,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
             "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
             "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
             "shipped_datasets": None if ray_data else plan.datasets,  # torch Datasets or streams, with the loop
+            "progress": progress.queue,  # where rank 0 sends its live progress (run.progress_s)
         },
         scaling_config=ScalingConfig(
             num_workers=config.scaling.num_workers,  # (min, max): elastic

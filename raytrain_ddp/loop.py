@@ -52,6 +52,7 @@ from raytrain_ddp.metrics import (
     combine,
 )
 from raytrain_ddp.optim import Accumulation, Updater
+from raytrain_ddp.progress import Beacon
 from raytrain_ddp.recipe import Recipe
 from raytrain_ddp.timeline import WorkerMarks
 from raytrain_ddp.timeline import strip as strip_marks
@@ -75,6 +76,7 @@ class Worker:
     marks: WorkerMarks  # rank 0's phases (the run's timeline), sent with its next report
     flops: ModelFlops  # what a training step costs, and this rank's device's peak: for model FLOP/s and MFU
     early_stopping: EarlyStopping  # the score's patience counter: the same on every rank
+    beacon: Beacon  # rank 0's live progress, sent to the driver between reports (progress.py)
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         marks,
         flops,
         EarlyStopping.of(config, start.early_stopping),
+        Beacon(loop_config["progress"] if rank == 0 else None, config.run.progress_s, worker_data.world_size),
     )
     marks.mark("model")
     step, blocked, step_count = start.step, Blocked(), None
@@ -161,6 +164,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 continue
             meter.add_step(optimizer_step(updater, config.train.grad_clip_norm, step_count))
             step, step_count = step + 1, None
+            tokens = meter.tokens if recipe.count_tokens else None
+            worker.beacon.note(step, epoch + (i + 1) / accumulation.micro_batches, loss_sum, count, tokens)
             marks.once("first step")
             due = every and step % every == 0
             preempted = preemption.just_now(step)

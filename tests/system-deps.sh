@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System packages the tests need beyond the Python lock file: an OpenSSH server and rsync, for
-# tests/system/test_ray_up.py (`ray up` with provider: local against sshd on loopback), and a C++
-# compiler, for tests/unit/test_compile.py (torch.compile's inductor builds its CPU kernels with g++).
+# tests/system/test_ray_up.py (`ray up` with provider: local against sshd on loopback), a C++
+# compiler, for tests/unit/test_compile.py (torch.compile's inductor builds its CPU kernels with g++),
+# and tmux, for tests/system/test_progress.py (the live progress display in a real terminal).
 # Idempotent: does nothing when all are there; installs what is missing where it can (root with
 # apt-get); else says what to install.
 #
@@ -12,6 +13,7 @@ missing=()
 [[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)
 command -v rsync >/dev/null || missing+=(rsync)
 command -v g++ >/dev/null || missing+=(g++)
+command -v tmux >/dev/null || missing+=(tmux)
 if [[ ${#missing[@]} -eq 0 ]]; then
   exit 0
 fi
@@ -24,5 +26,5 @@ if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
   echo "tests/system-deps.sh: apt-get could not install ${missing[*]}" >&2
   exit 0
 fi
-echo "tests/system-deps.sh: install ${missing[*]} (openssh-server and rsync for tests/system/test_ray_up.py, g++ for tests/unit/test_compile.py)" >&2
+echo "tests/system-deps.sh: install ${missing[*]} (openssh-server and rsync for tests/system/test_ray_up.py, g++ for tests/unit/test_compile.py, tmux for tests/system/test_progress.py)" >&2
 exit 0

@@ -6,11 +6,14 @@ MLflow. (Exact resume, after a restart, a crash or a damaged checkpoint, is test
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from sklearn.datasets import load_digits
 
 from raytrain_ddp import ConfigError, load_config, with_overrides
@@ -36,17 +39,19 @@ def straight(ray_session, module_workspace):
     from raytrain_ddp import run
 
     config = load_config(
-        "digits", overrides=module_workspace.overrides(*SETTINGS, "train.epochs=4", "run.name=straight")
+        "digits",
+        overrides=module_workspace.overrides(*SETTINGS, "train.epochs=4", "run.name=straight", "run.progress_log_s=1"),
     )
     notebook_uri = f"sqlite:///{module_workspace.root / 'notebook.db'}"  # as if a notebook had its own
     mlflow.set_tracking_uri(notebook_uri)
-    summary = run(config)
+    out = io.StringIO()  # no terminal: as a log, or `ray job logs`
+    summary = run(config, console=Console(file=out, width=1000))
     assert mlflow.get_tracking_uri() == notebook_uri, "run() must leave the caller's MLflow tracking URI alone"
-    return summary, config
+    return summary, config, out.getvalue()
 
 
 def test_each_worker_trains_on_half_of_the_rows_every_epoch(straight):
-    summary, _ = straight
+    summary, *_ = straight
     assert summary.epochs == 4
     per_worker = DIGITS_TRAIN_ROWS // 2  # streaming_split(equal=True) drops the odd row
     assert summary.final_metrics["train_samples_per_worker"] == [per_worker, per_worker]
@@ -55,14 +60,31 @@ def test_each_worker_trains_on_half_of_the_rows_every_epoch(straight):
 
 
 def test_validation_counts_every_row_exactly_once_across_ranks(straight):
-    summary, _ = straight
+    summary, *_ = straight
     per_worker = summary.final_metrics["val_samples_per_worker"]
     assert summary.final_metrics["val_samples"] == sum(per_worker) == DIGITS_VAL_ROWS
     assert len(per_worker) == 2 and min(per_worker) > 0  # both ranks evaluated a share
 
 
+def test_a_log_gets_plain_progress_lines_between_the_report_lines(straight):
+    """No terminal: a progress line at most every run.progress_log_s (1 s here), with the step of the
+    run's 92, the loss, samples/s and the ETA, and never a control character."""
+    *_, out = straight
+    assert "\x1b" not in out and "\r" not in out
+    lines = out.splitlines()
+    progress = [
+        re.fullmatch(rf"progress: step (\d+)/{4 * STEPS_PER_EPOCH} \(\d+%\)  epoch ([\d.]+)/4  loss [\d.]+  (.*)", line)
+        for line in lines
+    ]
+    steps = [int(m.group(1)) for m in progress if m]
+    assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] <= 92, out
+    assert any("samples/s" in m.group(3) and re.search(r"ETA \d+[ms]", m.group(3)) for m in progress if m), out
+    reports = [line for line in lines if re.match(r"epoch +\d/4 ", line)]
+    assert len(reports) == 4  # a line per report stays
+
+
 def test_checkpoints_live_under_the_run_and_num_to_keep_holds(straight, module_workspace):
-    summary, config = straight
+    summary, config, _ = straight
     run_dir = module_workspace.storage / "straight"
     assert Path(summary.run_path) == run_dir
     kept = sorted(p.name for p in run_dir.glob("epoch_*"))
@@ -79,7 +101,7 @@ def test_checkpoints_live_under_the_run_and_num_to_keep_holds(straight, module_w
 def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(straight):
     from mlflow.tracking import MlflowClient
 
-    summary, _ = straight
+    summary, *_ = straight
     client = MlflowClient(summary.tracking_uri)
     [run] = client.search_runs(
         [client.get_experiment_by_name("digits").experiment_id],
@@ -125,7 +147,7 @@ def test_only_the_controller_logs_to_mlflow(ray_session):
 def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
     import mlflow
 
-    summary, config = straight
+    summary, config, _ = straight
     mlflow.set_tracking_uri(summary.tracking_uri)
     model = mlflow.pytorch.load_model(summary.model.uri)
     val = recipes.load("digits").build_datasets(seed=config.seed, **config.dataset)["val"]
@@ -142,7 +164,7 @@ def test_the_registered_model_reproduces_the_reported_validation_accuracy(straig
 
 
 def test_every_report_carries_the_metrics_the_driver_checks_against(straight):
-    summary, _ = straight
+    summary, *_ = straight
     assert set(summary.final_metrics) == reported_metrics(["loss", "accuracy"], counts_tokens=False)
 
 
@@ -151,7 +173,7 @@ def test_a_resume_that_would_change_the_computation_is_refused_before_training(s
 
     from raytrain_ddp import run
 
-    summary, config = straight
+    summary, config, _ = straight
     changed = with_overrides(config, "train.lr=0.01", "scaling.num_workers=1", "train.epochs=5")
     with pytest.raises(ConfigError) as refused:
         run(changed)
