@@ -10,6 +10,7 @@ bench/workload.yaml plus the overrides given here):
     B-cold   raytrain-ddp train (Ray Data ingest, a checkpoint every epoch, MLflow), no Ray running
     B        the same, with Ray already up (as under `ray job submit`)
     B-async  B with checkpoint.upload=async
+    B-quiet  B with run.progress_s=0: no live progress (B/B-quiet, same round, is what the display costs)
     B'       B with dataset.source=torch: a torch DataLoader through prepare_data_loader
 
 Every side's model carries the same probe (workload.StepTrace: each forward's start time, per rank),
@@ -53,9 +54,13 @@ sys.path.insert(0, str(BENCH))
 import torchrun_ddp  # noqa: E402  (the same config reader as side A)
 import workload  # noqa: E402
 
-SIDES = ("A", "B-cold", "B", "B-async", "B'")
-WARM = ("B", "B-async", "B'")  # run while the harness's Ray cluster is up
-SIDE_OVERRIDES = {"B-async": ["checkpoint.upload=async"], "B'": ["dataset.source=torch"]}
+SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")
+WARM = ("B", "B-async", "B'", "B-quiet")  # run while the harness's Ray cluster is up
+SIDE_OVERRIDES = {
+    "B-async": ["checkpoint.upload=async"],
+    "B'": ["dataset.source=torch"],
+    "B-quiet": ["run.progress_s=0"],
+}
 DROP_FIRST_STEPS = 5  # of each epoch: iterator start-up, not the steady state
 # The goals (issue 16), each judged on the worst measured round, so a lucky round cannot make a miss look met.
 GOALS = {
@@ -456,6 +461,9 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
         if side in figures and pairs:
             figures[side]["ratio_vs_a"] = _spread([r.step_ms / ra.step_ms for r, ra in pairs])
             figures[side]["ttfs_gap_vs_a_s"] = _spread([r.ttfs_s - ra.ttfs_s for r, ra in pairs])
+    quiet = {r.round: r for r in by_side.get("B-quiet", [])}
+    if "B" in figures and (pairs := [(r, quiet[r.round]) for r in by_side["B"] if r.round in quiet]):
+        figures["B"]["ratio_vs_quiet"] = _spread([r.step_ms / rq.step_ms for r, rq in pairs])
     return {
         "machine": _machine(bench.config["scaling"].get("use_gpu", False)),
         "workload": bench.describe(),
@@ -547,6 +555,7 @@ def markdown(results: dict) -> str:
         ),
         ("MFU as B reports it (last epoch)", lambda f: _cell(f.get("reported_mfu"), ".1%")),
         ("step time vs A (same round)", lambda f: _cell(f.get("ratio_vs_a"), ".3f", "1")),
+        ("step time vs B-quiet (same round): the live progress", lambda f: _cell(f.get("ratio_vs_quiet"), ".3f")),
         ("time to first step, s", lambda f: _cell(f.get("ttfs_s"), ".1f")),
         ("… minus A's (same round), s", lambda f: _cell(f.get("ttfs_gap_vs_a_s"), "+.1f", "0")),
         ("data wait, per worker", lambda f: ", ".join(f"{w:.1%}" for w in f.get("data_wait_per_worker", [])) or "–"),
@@ -601,6 +610,7 @@ _SIDE_NAMES = {
     "B": "B: raytrain_ddp",
     "B-async": "B, async ckpt",
     "B'": "B′: torch DataLoader",
+    "B-quiet": "B, no live progress",
 }
 
 

@@ -140,6 +140,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         Beacon(loop_config["progress"] if rank == 0 else None, config.run.progress_s, worker_data.world_size),
     )
     marks.mark("model")
+    if worker.early_stopping.stops:  # restarted after the report that ended the run early: it has ended
+        return
     step, blocked, step_count = start.step, Blocked(), None
     preemption = PreemptionCheck(config.checkpoint.preemption_check_steps)
 
