@@ -112,11 +112,13 @@ def _train(args: argparse.Namespace) -> int:
 
     timeline.launch()
     timeline.mark("config")
+    from raytrain_ddp import session
     from raytrain_ddp.driver import run  # torch, Ray, MLflow: only to train
     from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
     from raytrain_ddp.lease import RunBusy
 
     timeline.mark("imports")
+    session.stop_on_sigterm()
 
     try:
         run(config, verbose=args.verbose)
@@ -125,7 +127,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     except RunInterrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
-        return 130
+        return 143 if session.interrupted_by == "SIGTERM" else 130
     except RegistrationFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

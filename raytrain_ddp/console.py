@@ -107,7 +107,8 @@ class LiveProgress:
             self.queue.put((END,), timeout=5)
         self._thread.join()
         self._status.stop()
-        ray.kill(self.queue.actor)
+        with contextlib.suppress(Exception):  # gone already, with a Ray that went down
+            ray.kill(self.queue.actor)
 
     def _drain(self) -> None:
         while True:
@@ -118,6 +119,9 @@ class LiveProgress:
                     return
                 self._watch()
                 continue
+            except Exception as e:  # noqa: BLE001 - the queue's actor gone with its node or Ray: fit() says why
+                logger.warning("progress display stopped: %s", one_line(e))
+                return
             if kind == END:
                 return
             if kind == "marks":

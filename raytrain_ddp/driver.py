@@ -114,10 +114,13 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     except BaseException as e:
         # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
         # as SystemExit or KeyboardInterrupt, depending on when it lands.
-        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted)) and progress.gave_up is None
+        # A SIGTERM (session.stop_on_sigterm) comes as Ctrl-C, or as the error of a Ray going down with it.
+        stopped = isinstance(e, (KeyboardInterrupt, SystemExit, RunInterrupted)) or session.interrupted_by is not None
+        interrupted = stopped and progress.gave_up is None
         tracking.end_failed_run(config, run_id, "KILLED" if interrupted else "FAILED")
         if interrupted:
-            what = f"was interrupted ({e if isinstance(e, RunInterrupted) else 'Ctrl-C'})"
+            how = session.interrupted_by or (e if isinstance(e, RunInterrupted) else "Ctrl-C")
+            what = f"was interrupted ({how})"
         elif progress.gave_up is not None:  # the driver ended it: its workers' resources never came
             what = f"failed: {progress.gave_up}"
         else:

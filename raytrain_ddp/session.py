@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Iterator
 
 import ray
@@ -31,6 +32,27 @@ ELASTIC_PLACEMENT_WAIT_S = 15
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 
 
+interrupted_by: str | None = None  # "SIGTERM" once the command was told to stop (stop_on_sigterm)
+_sigterm_stops = False
+
+
+def stop_on_sigterm() -> None:
+    """From now on a SIGTERM (`scancel`, `ray job stop`, `kill`) stops the run as Ctrl-C does: the
+    workers stopped, the MLflow run marked KILLED, the lease let go, the resume command printed.
+    (`connect` puts it back after ray.init, whose own handler aborts the process.)"""
+    global _sigterm_stops
+    _sigterm_stops = True
+    signal.signal(signal.SIGTERM, _stop)
+
+
+def _stop(signum: int, frame: object) -> None:
+    """The first SIGTERM only: the second that Slurm's signal to every process of a job brings changes nothing."""
+    global interrupted_by
+    if interrupted_by is None:
+        interrupted_by = signal.Signals(signum).name
+        signal.raise_signal(signal.SIGINT)
+
+
 def ray_address() -> RayAddress:
     """RAY_ADDRESS, checked (`ray_address.check_environment`); nothing to join if this process has a Ray."""
     return RayAddress() if ray.is_initialized() else check_environment()
@@ -47,6 +69,8 @@ def connect(address: RayAddress, verbose: bool) -> None:
         joined = {ADDRESS_ENV: address.join, GCS_ATTEMPTS_ENV: os.environ.get(GCS_ATTEMPTS_ENV, "1")}
         with environment(joined if address.join else {}):
             ray.init(log_to_driver=verbose, logging_level=logging_level)
+        if _sigterm_stops:
+            signal.signal(signal.SIGTERM, _stop)
     context = ray.data.DataContext.get_current()
     # A recipe's datasets in the same row order every time: without it, a materialized map_batches
     # lists its blocks in the order its tasks finished, and the data order would not be a function
