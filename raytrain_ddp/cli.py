@@ -5,6 +5,7 @@ raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
 raytrain-ddp train digits --print-config               # validate and show the resolved config
 raytrain-ddp jobs                                      # the jobs it can find
 raytrain-ddp register runs/<name>                      # register a finished run's model (whatever mlflow.register said)
+raytrain-ddp promote <model> <version>                 # make a registered version the champion by hand
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         searched = ", ".join(map(str, recipes.job_search_path()))
         print("\n".join(recipes.available_jobs()) or f"no jobs found in: {searched}")
         return 0
+    if args.command == "promote":
+        return _promote(args)
     return _register(args) if args.command == "register" else _train(args)
 
 
@@ -92,6 +95,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     register.add_argument("--tracking-uri", help="the MLflow tracking server (default: the one the run used)")
     register.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
+    promote = commands.add_parser(
+        "promote",
+        help="point a registered model's champion alias at a version, by hand",
+        description="Make a version of a registered model its champion (models:/<model>@champion) by hand: a worse "
+        "version, say, or one scored on another metric. Versions registered later compete with it: the first to beat "
+        "its score on the same metric takes the alias.",
+    )
+    promote.add_argument("model", help="the registered model's name (mlflow.model_name)")
+    promote.add_argument("version", type=int, help="the version to make champion")
+    promote.add_argument(
+        "--tracking-uri", help="the MLflow tracking server (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+    )
     return parser
 
 
@@ -165,6 +180,28 @@ def _register(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - the tracking server failing before it began, say: run it again
         print(f"error: the model was not registered: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from raytrain_ddp import tracking
+
+    uri = tracking.resolve_tracking_uri(args.tracking_uri)
+    if (unreachable := tracking.check_server(uri)) is not None:
+        print(f"error: {unreachable}", file=sys.stderr)
+        return 2
+    try:
+        was, now = tracking.promote(uri, args.model, args.version)
+    except LookupError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    before = "no version" if was is None else f"version {was}"
+    if now != args.version:  # another writer's newer version beat it meanwhile
+        print(f"{args.model}: promoted version {args.version}, but version {now} beat it since: champion is {now}")
+    elif was == now:
+        print(f"{args.model}: champion stays version {now} (promoted by hand: later versions compete with it)")
+    else:
+        print(f"{args.model}: champion moved from {before} to version {now}")
     return 0
 
 

@@ -3,18 +3,25 @@ rule the console's ★ follows), logged to MLflow with an input example and regi
 version of `mlflow.model_name`, as `mlflow.register` says: always, if_better (only if its score beats
 the latest version's), or never. `driver.run` does it when training finishes; `register(run_path)`
 does it later, whatever the policy, for a run that was not registered (the tracking server was
-down, say, or the policy said no). Both go through `register_best`.
+down, say, or the policy said no). Both go through `register_best`. Each version carries its
+lineage as tags (`lineage`: run, config, code, data, versions) and moves the model's `champion`
+alias if it beats the champion (champion.py; `raytrain-ddp promote` moves it by hand).
 
     raytrain-ddp register runs/<name>
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import math
 import shlex
+import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -24,7 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import lease, session, tracking
+from raytrain_ddp import data, layering, lease, session, tracking
 from raytrain_ddp import plan as planning
 from raytrain_ddp.callbacks import one_line
 from raytrain_ddp.config import Config
@@ -67,9 +74,10 @@ def register(
             run_id = tracking.find_run(config, standing.run_path)
     model = registration.model
     note = f" ({registration.note})" if registration.note else ""
+    fared = f"; {model.champion}" if model.champion else ""
     console.print(
         f"{config.run.name}: {registration.checkpoint} is [bold]{model.name}[/] version {model.version} ({model.uri})"
-        f"{escape(note)}; MLflow run {run_id} in {config.mlflow.tracking_uri}"
+        f"{escape(note + fared)}; MLflow run {run_id} in {config.mlflow.tracking_uri}"
     )
     return model
 
@@ -154,17 +162,18 @@ def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console, 
         note = f"{NEVER}; register it: {register_anyway}"
         return Registration(ckpt.location(best), metrics, None, note, [])
     ranked = [checkpoint for checkpoint, _ in best_first]
+    made_of = lineage(config, run_id, data.fingerprint(plan.datasets["train"], plan.train_rows))
     if plan.recipe.holds_large_model:  # where the memory is: a task with a training worker's resources
         s = config.scaling
         task = ray.remote(register_checkpoint).options(
             num_cpus=s.resources_per_worker.get("CPU", 1.0), num_gpus=1 if s.use_gpu else 0, max_retries=0
         )
         registration, skipped = ray.get(
-            task.remote(config, plan.recipe, ranked, plan.example, run_id, policy, plan.fitted)
+            task.remote(config, plan.recipe, ranked, plan.example, run_id, policy, made_of, plan.fitted)
         )
     else:
         registration, skipped = register_checkpoint(
-            config, plan.recipe, ranked, plan.example, run_id, policy, plan.fitted
+            config, plan.recipe, ranked, plan.example, run_id, policy, made_of, plan.fitted
         )
     for damaged in skipped:
         console.print(f"[yellow]skipped damaged checkpoint[/] {escape(str(damaged))}")
@@ -180,13 +189,14 @@ def register_checkpoint(
     example: dict[str, torch.Tensor],
     run_id: str,
     policy: Literal["always", "if_better"],
+    made_of: dict[str, str],
     fitted: Any = None,
 ) -> tuple[Registration, list[ckpt.Skipped]]:
     """Build the model, load the first of `ranked` that verifies, log it (the recipe's log_model, else
     as a PyTorch model with `example` as its input example) with the recipe's artifacts, and register
-    it. Returns the registration and the better checkpoints skipped as damaged. A checkpoint this run
-    registered already is returned as it is, and one that `policy` if_better turns down is not
-    registered; neither builds the model."""
+    it, tagged with `made_of` (its `lineage`). Returns the registration and the better checkpoints
+    skipped as damaged. A checkpoint this run registered already is returned as it is, and one that
+    `policy` if_better turns down is not registered; neither builds the model."""
     with ckpt.open_first_verified(ranked) as best:
         metrics = best.verified.metrics()
         if (registered := tracking.registered_version(config, run_id, best.location)) is not None:
@@ -202,13 +212,47 @@ def register_checkpoint(
         log = partial(recipe.log_model, model)
     else:  # two rows, so the exported model keeps a dynamic batch dimension
         log = partial(tracking.log_pytorch_model, model, recipe.model_input(example).numpy())
-    registered = tracking.register_model(config, run_id, best.location, _score(config, metrics), log)
+    registered = tracking.register_model(config, run_id, best.location, _score(config, metrics), log, made_of)
     artifacts = {}
     if recipe.artifacts is not None:
         with torch.no_grad():
             artifacts = recipe.artifacts(model)
         tracking.log_texts(config, run_id, artifacts)
     return Registration(best.location, metrics, registered, note, sorted(artifacts)), best.skipped
+
+
+def lineage(config: Config, run_id: str, data_fingerprint: str) -> dict[str, str]:
+    """What a registered version was made of, as its tags (beside its checkpoint's): the MLflow run, the
+    resolved config's sha256 (its JSON, keys sorted), the recipe's code (`_code`), the training data's
+    fingerprint (data.fingerprint, computed on the driver) and the versions of torch, Ray and this
+    service. Cheap: no data is read, three git commands at most."""
+    resolved = json.dumps(config.to_dict(), sort_keys=True).encode()
+    return {
+        "raytrain_ddp.run_id": run_id,
+        "raytrain_ddp.config_sha256": hashlib.sha256(resolved).hexdigest(),
+        **_code(layering.origin_of(config).job.files.recipe),
+        "raytrain_ddp.data_fingerprint": data_fingerprint,
+        "raytrain_ddp.torch_version": torch.__version__,
+        "raytrain_ddp.ray_version": ray.__version__,
+        "raytrain_ddp.raytrain_ddp_version": importlib.metadata.version("raytrain-ddp"),
+    }
+
+
+def _code(recipe: Path) -> dict[str, str]:
+    """The recipe file's sha256 and, where it lives in a git work tree, its commit and whether the tree
+    differs from it (a changed tracked file, or the recipe itself untracked). Without git, or outside
+    a repository, the hash alone."""
+    found = {"raytrain_ddp.code_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
+    git = partial(subprocess.run, capture_output=True, text=True, check=True, timeout=30)
+    where = ["git", "-C", str(recipe.parent)]
+    try:
+        commit = git([*where, "rev-parse", "HEAD"]).stdout.strip()
+        changed = git([*where, "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+        tracked = git([*where, "ls-files", "--", recipe.name]).stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # no git, not a work tree, no commit yet
+        return found
+    dirty = str(bool(changed) or not tracked).lower()
+    return found | {"raytrain_ddp.code_git_commit": commit, "raytrain_ddp.code_git_dirty": dirty}
 
 
 def is_better(config: Config, score: tracking.Score) -> tuple[bool, str]:

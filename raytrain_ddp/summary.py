@@ -90,5 +90,6 @@ def _registration_rows(summary: RunSummary) -> list[tuple[str, str]]:
         return [("registered model", note)]
     return [
         ("registered model", f"{model.name}  version {model.version}" + (f"  ({note})" if note else "")),
+        *([("registry alias", model.champion)] if model.champion else []),
         ("model URI", model.uri),
     ]

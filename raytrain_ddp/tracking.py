@@ -2,7 +2,8 @@
 
 The driver's only module that imports mlflow. Workers never talk to MLflow: `callbacks.MLflowMetrics`
 runs on the Ray Train controller and logs each epoch's metrics as the report arrives; the driver
-creates the run before training and registers the best checkpoint's model after it.
+creates the run before training and registers the best checkpoint's model after it, moving the
+model's `champion` alias as champion.py's rule says (`converge_champion`; `promote` by hand).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +26,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
 
+from raytrain_ddp import champion
 from raytrain_ddp.config import Config
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -35,6 +38,11 @@ CHECKPOINT_TAG = "raytrain_ddp.checkpoint"
 SCORE_ATTRIBUTE_TAG = "raytrain_ddp.score_attribute"
 SCORE_ORDER_TAG = "raytrain_ddp.score_order"
 SCORE_TAG = "raytrain_ddp.score"
+# The alias `champion` follows champion.champion(); each version says how it fared (champion.verdict),
+# and the registered model keeps the last promotion by hand (`raytrain-ddp promote`).
+CHAMPION = "champion"
+CHAMPION_TAG = "raytrain_ddp.champion"
+PROMOTED_TAG = "raytrain_ddp.promoted"
 MODEL_ARTIFACT = "model"
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,7 @@ class RegisteredModel:
     version: int
     uri: str  # models:/<name>/<version>
     score: Score | None = None  # from the version's tags; None for a version registered without them
+    champion: str = ""  # how it fared against the champion when it was registered (champion.verdict)
 
 
 def resolve_tracking_uri(setting: str | None) -> str:
@@ -219,12 +228,18 @@ def end_failed_run(config: Config, run_id: str, status: Literal["FAILED", "KILLE
 
 
 def register_model(
-    config: Config, run_id: str, checkpoint_path: str, score: Score, log_model: Callable[[str], Any]
+    config: Config,
+    run_id: str,
+    checkpoint_path: str,
+    score: Score,
+    log_model: Callable[[str], Any],
+    lineage: Mapping[str, str] | None = None,
 ) -> RegisteredModel:
     """Log the best checkpoint's model (`log_model(name)`, inside the MLflow run, returns MLflow's
-    ModelInfo) and register it as a new version of `mlflow.model_name`, tagged with the checkpoint
-    and its score. Callers first ask `registered_version`: registering a checkpoint twice returns its
-    version."""
+    ModelInfo) and register it as a new version of `mlflow.model_name`, tagged with the checkpoint,
+    its score and `lineage` (what it was made of); then move `champion` as the registry now says
+    (`converge_champion`) and write on the version how it fared. Callers first ask
+    `registered_version`: registering a checkpoint twice returns its version."""
     client = MlflowClient(config.mlflow.tracking_uri)
     name = config.mlflow.model_name
     # Inside: registering a `models:/m-...` source resolves it through MLflow's global tracking URI.
@@ -247,9 +262,96 @@ def register_model(
                 SCORE_ATTRIBUTE_TAG: score.attribute,
                 SCORE_ORDER_TAG: score.order,
                 SCORE_TAG: repr(score.value),
+                **(lineage or {}),
             },
         )
-    return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}", score)
+    number = int(version.version)
+    try:
+        registry = converge_champion(client, name)
+        registered = next(v for v in registry.versions if v.version == number)
+        verdict = champion.verdict(registry.versions, registry.promotion, registered)
+        client.set_model_version_tag(name, version.version, CHAMPION_TAG, verdict)
+    except MlflowException as e:  # the version is registered: the next registration or promotion moves it
+        logger.warning("registered %s version %s, but could not move its champion alias: %s", name, number, e)
+        return replace(_registered(version), champion=f"champion alias not moved: MLflow said {e.error_code}")
+    return replace(registered, champion=verdict)
+
+
+@dataclass(frozen=True)
+class Registry:
+    """What the registry holds of a model, as one pass of reads found it."""
+
+    versions: list[RegisteredModel]
+    promotion: champion.Promotion | None
+    champion: int | None  # the version the alias points at
+
+
+def read_registry(client: MlflowClient, name: str) -> Registry:
+    """A model's versions, its last promotion and its champion alias; raises MlflowException
+    (RESOURCE_DOES_NOT_EXIST) for a model that is not registered."""
+    model = client.get_registered_model(name)
+    versions, token = [], None
+    while True:
+        page = client.search_model_versions(f"name = '{name}'", page_token=token)
+        versions += [_registered(v) for v in page]
+        if not (token := page.token):
+            break
+    aliases = model.aliases or {}
+    current = int(aliases[CHAMPION]) if CHAMPION in aliases else None
+    return Registry(versions, champion.Promotion.from_tag(model.tags.get(PROMOTED_TAG)), current)
+
+
+def converge_champion(client: MlflowClient, name: str, rounds: int = 10) -> Registry:
+    """Point `champion` at the version champion.champion() picks from the registry, then read again,
+    until a read finds the alias where the rule says (`rounds` at most; then a warning). Returns that
+    read.
+
+    MLflow has no compare-and-set, so two processes registering at once can each read, decide and
+    write in any interleaving; what makes the end state right is that every process that changes the
+    registry (a new version, a promotion) runs this afterwards, and stops only on a read that agrees.
+    Take the last change of the registry and the last write of the alias: whichever came later, the
+    process that made it reads after both, so it reads the final registry and the final alias, and it
+    would have written again (a later write) had they disagreed. So the alias ends where the rule
+    says for the final registry, whatever the order."""
+    refused = None
+    for attempt in range(rounds):
+        registry = read_registry(client, name)
+        wanted = champion.champion(registry.versions, registry.promotion)
+        if registry.champion == (None if wanted is None else wanted.version):
+            return registry
+        try:
+            if wanted is None:
+                client.delete_registered_model_alias(name, CHAMPION)
+            else:
+                client.set_registered_model_alias(name, CHAMPION, str(wanted.version))
+        except MlflowException as e:  # MLflow inserts a new alias without an upsert: two at once, one fails
+            refused = e
+        time.sleep(0.05 * attempt)  # another writer is at it: let it finish
+    why = f" (last refused: {refused})" if refused is not None else ""
+    logger.warning("%s: the champion alias kept moving under other writers%s; it may lag by a version", name, why)
+    return registry
+
+
+def promote(tracking_uri: str, name: str, version: int) -> tuple[int | None, int | None]:
+    """Make `version` of model `name` champion by hand (`raytrain-ddp promote`): recorded on the
+    registered model, so that later versions compete with it; returns the champion's version before
+    and after. Raises LookupError for a model or version that does not exist (a sqlite store that
+    does not exist is not created)."""
+    if tracking_uri.startswith("sqlite:") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+        raise LookupError(f"no registered model '{name}' in {tracking_uri}: that store does not exist")
+    client = MlflowClient(tracking_uri)
+    try:
+        registry = read_registry(client, name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise LookupError(f"no registered model '{name}' in {tracking_uri}") from None
+    numbers = sorted(v.version for v in registry.versions)
+    if version not in numbers:
+        known = ", ".join(map(str, numbers)) or "none"
+        raise LookupError(f"model '{name}' has no version {version} (its versions: {known})")
+    client.set_registered_model_tag(name, PROMOTED_TAG, champion.Promotion(version, numbers[-1]).tag())
+    return registry.champion, converge_champion(client, name).champion
 
 
 def registered_version(config: Config, run_id: str, checkpoint_path: str) -> RegisteredModel | None:
@@ -283,7 +385,8 @@ def _registered(version: Any) -> RegisteredModel:
         except ValueError:  # edited by hand, say: not a number, so not comparable
             score = None
     name = version.name
-    return RegisteredModel(name, int(version.version), f"models:/{name}/{version.version}", score)
+    uri = f"models:/{name}/{version.version}"
+    return RegisteredModel(name, int(version.version), uri, score, tags.get(CHAMPION_TAG, ""))
 
 
 _preparing: threading.Thread | None = None  # prepare_model_logging's thread, once started

@@ -57,3 +57,41 @@ def test_overrides_may_follow_an_option(raytrain_ddp, tmp_path):
 def test_jobs_lists_the_flagship(raytrain_ddp, tmp_path):
     result = raytrain_ddp("jobs", cwd=tmp_path)
     assert result.returncode == 0 and "digits" in result.stdout.split()
+
+
+def test_promote_refuses_an_unknown_model_or_version_and_moves_the_champion(raytrain_ddp, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ddp import tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    nowhere = raytrain_ddp("promote", "m", "1", cwd=tmp_path)  # the default store, ./mlflow.db: none here
+    assert nowhere.returncode == 2 and "no registered model 'm' in sqlite:///" in nowhere.stderr
+    assert list(tmp_path.iterdir()) == []  # not created
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    client.create_registered_model("m")
+    for value in ("0.9", "0.95"):
+        score = {
+            tracking.SCORE_ATTRIBUTE_TAG: "val_accuracy",
+            tracking.SCORE_ORDER_TAG: "max",
+            tracking.SCORE_TAG: value,
+        }
+        client.create_model_version("m", source=str(tmp_path), tags=score)
+    tracking.converge_champion(client, "m")
+    assert int(client.get_model_version_by_alias("m", "champion").version) == 2
+
+    unknown = raytrain_ddp("promote", "other", "1", "--tracking-uri", uri, cwd=tmp_path)
+    assert unknown.returncode == 2 and f"error: no registered model 'other' in {uri}" in unknown.stderr
+    missing = raytrain_ddp("promote", "m", "3", "--tracking-uri", uri, cwd=tmp_path)
+    assert missing.returncode == 2 and "error: model 'm' has no version 3 (its versions: 1, 2)" in missing.stderr
+    assert raytrain_ddp("promote", "m", "two", "--tracking-uri", uri, cwd=tmp_path).returncode == 2
+
+    moved = raytrain_ddp("promote", "m", "1", "--tracking-uri", uri, cwd=tmp_path)
+    assert moved.returncode == 0, moved.stderr
+    assert moved.stdout == "m: champion moved from version 2 to version 1\n"
+    assert int(client.get_model_version_by_alias("m", "champion").version) == 1
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the default, as for every command
+    again = raytrain_ddp("promote", "m", "1", cwd=tmp_path)
+    assert again.returncode == 0 and "champion stays version 1" in again.stdout
