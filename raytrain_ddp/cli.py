@@ -143,6 +143,10 @@ def _train(args: argparse.Namespace) -> int:
     except RunInterrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 143 if session.interrupted_by == "SIGTERM" else 130
+    except KeyboardInterrupt:  # before training began, or after it ended: nothing to resume from there
+        how = session.interrupted_by or "Ctrl-C"
+        print(f"interrupted ({how}) before training began or after it ended: the same command resumes", file=sys.stderr)
+        return 143 if session.interrupted_by == "SIGTERM" else 130
     except RegistrationFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

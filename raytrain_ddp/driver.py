@@ -27,9 +27,9 @@ from raytrain_ddp import data, lease, preflight, session, storage, timeline, tra
 from raytrain_ddp import plan as planning
 from raytrain_ddp.callbacks import MLflowMetrics
 from raytrain_ddp.config import Config
+from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.loop import train_loop_per_worker
-from raytrain_ddp.metrics import STOPPED_EARLY
 from raytrain_ddp.plan import Plan
 from raytrain_ddp.registration import Registration, decided_already, register_best
 from raytrain_ddp.summary import RunSummary, show
@@ -92,6 +92,7 @@ class Trained:
     best_checkpoints: list[tuple[ray.train.Checkpoint, dict[str, Any]]]  # the committed ones, with their metrics
     failures: list[str]  # one line per failed attempt of the workers
     stopped_early: str | None = None  # why early stopping ended the run before train.epochs
+    patience_spent: bool = False  # early stopping's patience is spent: more epochs alone train nothing
 
 
 def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Trained:
@@ -109,7 +110,10 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
             raise RunFailed(progress.stopped)
         metrics = result.metrics or {}
         epochs = int(metrics.get("epoch", 0))
-        if epochs < config.train.epochs and STOPPED_EARLY not in metrics:  # how an aborted fit() returns
+        # Early stopping's reason: in the report that ended the run, or (a patience lowered on resume)
+        # from its newest checkpoint's count, where the workers ended at once without a report.
+        early = ended_early(metrics, config)
+        if epochs < config.train.epochs and early is None:  # how an aborted fit() returns
             raise RunInterrupted(f"stopped after epoch {epochs} of {config.train.epochs}")
     except BaseException as e:
         # Ctrl-C reaches us as an aborted fit() (RunInterrupted), or through Ray's own SIGINT handler
@@ -131,7 +135,8 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
             f"run {config.run.name} {what}\ncheckpoints so far: {plan.run_path}\nresume: {plan.resume_command}"
         ) from e
     best = [(checkpoint, timeline.strip(metrics)) for checkpoint, metrics in result.best_checkpoints]
-    return Trained(epochs, timeline.strip(metrics), best, progress.failures, metrics.get(STOPPED_EARLY))
+    stopped_early = early if epochs < config.train.epochs else None
+    return Trained(epochs, timeline.strip(metrics), best, progress.failures, stopped_early, early is not None)
 
 
 def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) -> str:
@@ -228,7 +233,8 @@ def _already_finished(standing: planning.Standing, registration: Registration, w
         attempts=0,
         failures=[],
         already_finished=True,
-        stopped_early=standing.stopped_early,
+        stopped_early=standing.stopped_early if resume.epoch < config.train.epochs else None,
+        patience_spent=standing.stopped_early is not None,
     )
 
 
@@ -254,4 +260,5 @@ def _summarize(plan: Plan, trained: Trained, registration: Registration, run_id:
         attempts=1 + len(trained.failures),
         failures=trained.failures,
         stopped_early=trained.stopped_early,
+        patience_spent=trained.patience_spent,
     )

@@ -33,9 +33,16 @@ class EarlyStopping:
     @classmethod
     def of(cls, config: Config, state: dict[str, Any] | None = None) -> EarlyStopping:
         """For `config`, counting on from a checkpoint's `state_dict()` (None or {}: a new run, or a
-        checkpoint written before early stopping existed)."""
+        checkpoint written before early stopping existed). A run resumed with another score (or
+        order) counts afresh: a best of another metric means nothing to this one."""
         settings, c = config.train.early_stopping, config.checkpoint
-        return cls(settings.patience, settings.min_delta, c.score_attribute, c.score_order, **(state or {}))
+        state = dict(state or {})
+        if (state.pop("attribute", c.score_attribute), state.pop("order", c.score_order)) != (
+            c.score_attribute,
+            c.score_order,
+        ):
+            state = {}
+        return cls(settings.patience, settings.min_delta, c.score_attribute, c.score_order, **state)
 
     def update(self, score: float) -> None:
         """Count one evaluation whose score is `score` (finite: loop._stop_reason stops a run before)."""
@@ -59,7 +66,7 @@ class EarlyStopping:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "since_best": self.since_best}
+        return {"best": self.best, "since_best": self.since_best, "attribute": self.attribute, "order": self.order}
 
 
 def stops(since_best: int, patience: int | None) -> bool:

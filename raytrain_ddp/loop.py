@@ -172,7 +172,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             due = every and step % every == 0
             preempted = preemption.just_now(step)
             if (due or preempted) and i + 1 < accumulation.micro_batches:
-                blocked = evaluate_and_checkpoint(worker, Position(epoch, i + 1, step), meter, blocked)
+                at = Position(epoch, i + 1, step)
+                blocked = evaluate_and_checkpoint(worker, at, meter, blocked, counts=bool(due))
                 if blocked is None or worker.early_stopping.stops:
                     return
                 if preempted:
@@ -277,12 +278,15 @@ def _divide_gradients(parameters: list[torch.nn.Parameter], count: torch.Tensor 
         torch._foreach_mul_(grads, world / total.clamp(min=1))
 
 
-def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blocked: Blocked) -> Blocked | None:
+def evaluate_and_checkpoint(
+    worker: Worker, at: Position, meter: EpochMeter, blocked: Blocked, counts: bool = True
+) -> Blocked | None:
     """Evaluate, then report the global metrics from every rank, with rank 0's checkpoint of where
     training stands. Returns how long the checkpoint blocked training, or None when the run must stop:
     every rank sees the same global metrics, so every rank stops at the same report, which then
     carries the reason and no checkpoint. Every rank counts the evaluation in its early stopping's
-    patience alike; the report that spends it says why, with its checkpoint, and training ends."""
+    patience alike (`counts`: not one taken because a node is being preempted, which an uninterrupted
+    run would not have); the report that spends it says why, with its checkpoint, and training ends."""
     config, model, recipe = worker.config, worker.model, worker.recipe
     own_buffers = not config.ddp.broadcast_buffers
     with meter.paused(), _rank0_buffers(model, keep_own=own_buffers), worker.updater.autocast():
@@ -308,7 +312,8 @@ def evaluate_and_checkpoint(worker: Worker, at: Position, meter: EpochMeter, blo
             ray.train.report({**metrics, STOPPED: problem})
             return None
         early = worker.early_stopping
-        early.update(metrics[config.checkpoint.score_attribute])
+        if counts:
+            early.update(metrics[config.checkpoint.score_attribute])
         metrics[SINCE_BEST] = early.since_best
         if early.stops and (at.epoch, at.batches) != (config.train.epochs, 0):  # else it ends anyway
             metrics[STOPPED_EARLY] = early.reason()

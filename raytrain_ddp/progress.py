@@ -78,6 +78,8 @@ class Progress:
         self._window: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_WINDOW)
 
     def add(self, note: dict[str, Any]) -> None:
+        if self._window and note["step"] < self._window[-1][1]:  # a restarted attempt's, from a checkpoint
+            self._window.clear()
         self.latest = note
         self._window.append((note["time"], note["step"]))
 

@@ -205,6 +205,8 @@ def register_checkpoint(
         register, note = _decide(config, metrics) if policy == "if_better" else (True, "")
         if not register:
             return Registration(best.location, metrics, None, note, []), best.skipped
+        saved = json.dumps(best.verified.config(), sort_keys=True).encode()  # what trained it, resumes included
+        made_of = {**made_of, "raytrain_ddp.config_sha256": hashlib.sha256(saved).hexdigest()}
         model = recipe.make_model(config, fitted)  # the checkpoint's buffers then replace what was fitted
         ckpt.load_weights(model, best.verified.model_state())
     model.eval()
@@ -222,14 +224,13 @@ def register_checkpoint(
 
 
 def lineage(config: Config, run_id: str, data_fingerprint: str) -> dict[str, str]:
-    """What a registered version was made of, as its tags (beside its checkpoint's): the MLflow run, the
-    resolved config's sha256 (its JSON, keys sorted), the recipe's code (`_code`), the training data's
-    fingerprint (data.fingerprint, computed on the driver) and the versions of torch, Ray and this
-    service. Cheap: no data is read, three git commands at most."""
-    resolved = json.dumps(config.to_dict(), sort_keys=True).encode()
+    """What a registered version was made of, as its tags (beside its checkpoint's and, added by
+    `register_checkpoint`, the sha256 of the resolved config saved in that checkpoint, its JSON with
+    keys sorted): the MLflow run, the recipe's code (`_code`), the training data's fingerprint
+    (data.fingerprint, computed on the driver from the datasets as the config builds them now) and
+    the versions of torch, Ray and this service. Cheap: no data is read, three git commands at most."""
     return {
         "raytrain_ddp.run_id": run_id,
-        "raytrain_ddp.config_sha256": hashlib.sha256(resolved).hexdigest(),
         **_code(layering.origin_of(config).job.files.recipe),
         "raytrain_ddp.data_fingerprint": data_fingerprint,
         "raytrain_ddp.torch_version": torch.__version__,

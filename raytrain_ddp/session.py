@@ -37,20 +37,27 @@ _sigterm_stops = False
 
 
 def stop_on_sigterm() -> None:
-    """From now on a SIGTERM (`scancel`, `ray job stop`, `kill`) stops the run as Ctrl-C does: the
-    workers stopped, the MLflow run marked KILLED, the lease let go, the resume command printed.
-    (`connect` puts it back after ray.init, whose own handler aborts the process.)"""
+    """From now on a SIGTERM (`kill`, `scancel --batch --signal=TERM`, `ray job stop`) stops the run as
+    Ctrl-C does: the workers stopped, the MLflow run marked KILLED, the lease let go, the resume
+    command printed. (`connect` puts it back after ray.init, whose own handler aborts the process.)"""
     global _sigterm_stops
     _sigterm_stops = True
     signal.signal(signal.SIGTERM, _stop)
 
 
 def _stop(signum: int, frame: object) -> None:
-    """The first SIGTERM only: the second that Slurm's signal to every process of a job brings changes nothing."""
+    """Ctrl-C's handler, called here: Ray Train's while fit() runs (it stops the workers), else Python's
+    (KeyboardInterrupt). Called, not signalled: `ray job stop` starts drivers with SIGINT blocked, and
+    a shell's background job ignores it. The first SIGTERM only: a second one, as Slurm signals
+    every process of a job, changes nothing."""
     global interrupted_by
-    if interrupted_by is None:
-        interrupted_by = signal.Signals(signum).name
-        signal.raise_signal(signal.SIGINT)
+    if interrupted_by is not None:
+        return
+    interrupted_by = signal.Signals(signum).name
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    if not callable(ctrl_c):  # SIG_IGN or SIG_DFL
+        raise KeyboardInterrupt
+    ctrl_c(signal.SIGINT, frame)
 
 
 def ray_address() -> RayAddress:

@@ -35,6 +35,7 @@ class RunSummary:
     failures: list[str]  # one line per failed attempt: which rank failed, how, and where it restarted
     already_finished: bool = False  # the run had finished before, its registration decided: nothing was done
     stopped_early: str | None = None  # why early stopping ended the run before train.epochs (None: it did not)
+    patience_spent: bool = False  # early stopping's patience is spent (maybe at the last epoch): more epochs end
 
 
 def show(console: Console, summary: RunSummary) -> None:
@@ -79,7 +80,7 @@ def show(console: Console, summary: RunSummary) -> None:
 
 
 def _train_longer(summary: RunSummary) -> str:
-    if summary.stopped_early:  # its patience is spent: more epochs alone would end at the next evaluation
+    if summary.patience_spent:  # more epochs alone: the run would end at once
         return f"{summary.extend_command} train.early_stopping.patience=null  (or a larger patience)"
     return f"{summary.extend_command}  (N > {summary.epochs})"
 

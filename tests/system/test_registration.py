@@ -13,7 +13,9 @@ Model `tiny-pinned` (ranked by epoch, min: epoch 1 stays best however long the r
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import re
 from pathlib import Path
 
@@ -68,6 +70,7 @@ def test_if_better_registers_a_models_first_run_with_its_score(tiny):
     assert version.tags[SCORE_ATTRIBUTE_TAG] == "val_mse" and version.tags[SCORE_ORDER_TAG] == "min"
     assert float(version.tags[SCORE_TAG]) == summary.metrics["val_mse"]
     assert re.search(r"^  registered model +tiny  version 1$", out, re.M)
+    assert re.search(r"^  registry alias +champion: no version was champion before it$", out, re.M)
     # tiny gives its FLOPs (count_flops): the MLflow run has them, every report the model FLOP/s of
     # both workers at the pace of the slower; no MFU without a GPU's peak.
     run = MlflowClient(summary.tracking_uri).get_run(summary.mlflow_run_id)
@@ -185,6 +188,10 @@ def test_early_stopping_ends_the_run_finished_registers_its_best_and_its_counter
     assert re.search(r"^  stopped early +epoch has not improved", out, re.M)
     assert "train.early_stopping.patience=null  (or a larger patience)" in out
     assert Path(stopped.best_checkpoint).name == "epoch_0001" and stopped.model.version == 1
+    [version] = _versions(workspace, "tiny-early")
+    saved = json.loads((Path(stopped.best_checkpoint) / "config.json").read_text())  # what trained it
+    digest = hashlib.sha256(json.dumps(saved, sort_keys=True).encode()).hexdigest()
+    assert version.tags["raytrain_ddp.config_sha256"] == digest
     client = MlflowClient(workspace.tracking_uri)
     run = client.get_run(stopped.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.tags[STOPPED_EARLY_TAG] == why

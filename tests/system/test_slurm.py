@@ -134,37 +134,51 @@ def slurm():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_sbatch_trains_on_the_allocation_and_a_cancelled_job_resumes_with_the_same_sbatch(slurm, tmp_path):
-    """Job 1 is `scancel`ed mid-run: every process of the job ends at once, Ray's included. Job 2, the
-    same sbatch, resumes from job 1's latest checkpoint (taking over the killed driver's lease),
-    finishes and registers the model. (A graceful stop, `scancel --batch --signal=TERM`, is the
-    driver's SIGTERM: tests/system/test_cli.py.)"""
+def test_sbatch_trains_on_the_allocation_and_a_stopped_or_cancelled_job_resumes_with_the_same_sbatch(slurm, tmp_path):
+    """Job 1 is stopped as before a time limit (`scancel --batch --signal=TERM`: the batch script's
+    trap, then the driver's SIGTERM): exit 143, the MLflow run KILLED, the resume command in its log,
+    Ray stopped. Job 2, the same sbatch, resumes and is `scancel`ed outright: every process of the job
+    ends at once, Ray's included. Job 3, the same sbatch again, resumes from job 2's latest checkpoint
+    (taking over the killed driver's lease), finishes and registers the model."""
     from mlflow.tracking import MlflowClient
 
-    args = (TINY, "dataset.rows=8192", "train.epochs=8", "run.name=slurm")
+    args = (TINY, "dataset.rows=8192", "train.epochs=6", "run.name=slurm")
     runs = tmp_path / "runs" / "slurm"
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
 
     first = slurm.sbatch(tmp_path, *args)
-    wait_until(lambda: (runs / "epoch_0002").exists(), 300, "epoch 2's checkpoint")
-    slurm.run("scancel", first)
-    slurm.wait_for(first, ("CANCELLED",), 120)
-    wait_until(lambda: not processes_with(f"{slurm.root}/ray-{first}-"), 60, "job 1's Ray to stop")
+    wait_until(lambda: (runs / "epoch_0001").exists(), 300, "epoch 1's checkpoint")
+    slurm.run("scancel", "--batch", "--signal=TERM", first)
+    stopped = slurm.wait_for(first, ("FAILED", "COMPLETED", "CANCELLED"), 120)
     log = _log(tmp_path, first)
     assert "Ray cluster at " in log and ": 2 nodes, 4 CPUs, 0 GPUs" in log, log[-3000:]
+    assert re.search(r"^interrupted: run slurm was interrupted \(SIGTERM\)$", log, re.M), log[-3000:]
+    assert stopped["ExitCode"] == "143:0" and "resume: raytrain-ddp train" in log
+    [killed] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert killed.info.status == "KILLED" and client.search_registered_models() == []
+    wait_until(lambda: not processes_with(f"{slurm.root}/ray-{first}-"), 60, "job 1's Ray to stop")
+
+    second = slurm.sbatch(tmp_path, *args)
+    resumed_at = max(p.name for p in runs.glob("epoch_????"))
+    after = int(resumed_at[-4:]) + 1
+    wait_until(lambda: (runs / f"epoch_{after:04d}").exists(), 300, f"epoch {after}'s checkpoint")
+    slurm.run("scancel", second)
+    slurm.wait_for(second, ("CANCELLED",), 120)
+    wait_until(lambda: not processes_with(f"{slurm.root}/ray-{second}-"), 60, "job 2's Ray to stop")
+    assert f"resuming from {resumed_at}" in _log(tmp_path, second)
     latest = max(p.name for p in runs.glob("epoch_????"))
 
     started = time.monotonic()
-    second = slurm.sbatch(tmp_path, *args)
-    done = slurm.wait_for(second, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 420)
+    third = slurm.sbatch(tmp_path, *args)
+    done = slurm.wait_for(third, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 420)
     wall = time.monotonic() - started
-    log = _log(tmp_path, second)
+    log = _log(tmp_path, third)
     assert done["JobState"] == "COMPLETED" and done["ExitCode"] == "0:0", log[-3000:]
     assert f"resuming from {latest}" in log, log[-3000:]
-    assert "slurm finished: 8 epochs" in log and re.search(r"registered model +tiny  version 1", log)
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    [run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])  # job 1's, continued
+    assert "slurm finished: 6 epochs" in log and re.search(r"registered model +tiny  version 1", log)
+    [run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])  # one, continued
     assert run.info.status == "FINISHED"
-    assert not processes_with(f"{slurm.root}/ray-{second}-"), "Ray stopped with the job"
+    assert not processes_with(f"{slurm.root}/ray-{third}-"), "Ray stopped with the job"
     print(f"\nslurm: the job that resumed at {latest} took {wall:.0f} s, sbatch to COMPLETED")
 
 
