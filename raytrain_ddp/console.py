@@ -29,7 +29,6 @@ from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import position, rank
 from raytrain_ddp.flops import si
 from raytrain_ddp.metrics import GENERATED, STOPPED, STOPPED_EARLY, STORAGE_RETRIED
-from raytrain_ddp.optim import Accumulation
 from raytrain_ddp.progress import PROGRESS, Progress
 from raytrain_ddp.session import ELASTIC_PLACEMENT_WAIT_S
 from raytrain_ddp.timeline import MARKS, Timeline
@@ -83,8 +82,8 @@ class LiveProgress:
         self._deciding_since: float | None = None  # since when Ray Train's controller decides how many workers
         self._next_watch, self._announced = 0.0, False
         self._status = console.status(f"Starting {config.scaling.workers_text}…")
-        steps_per_epoch = Accumulation.on(config, plan.train_rows, config.scaling.max_workers).steps
-        self.progress = Progress(steps_per_epoch * self.epochs, plan.train_rows / steps_per_epoch, self.epochs)
+        steps = plan.steps_per_epoch
+        self.progress = Progress(steps * self.epochs, plan.train_rows / steps, self.epochs)
         self._live = console.is_terminal  # else a line every run.progress_log_s, no control characters
         self._progress_line_at = time.monotonic()
         self._stop = threading.Event()
@@ -312,7 +311,7 @@ def show_plan(console: Console, plan: Plan) -> None:
     """The run in a line: what trains, on how many workers, where it starts from and where it writes."""
     config, t, resume = plan.config, plan.config.train, plan.resume
     accumulation = f" × {t.grad_accum_steps} accumulated" if t.grad_accum_steps > 1 else ""
-    steps = Accumulation.on(config, plan.train_rows, config.scaling.max_workers).steps  # the same on each count
+    steps = plan.steps_per_epoch
     if resume.checkpoint:
         resuming = f", resuming from {resume.checkpoint} (epoch {resume.epoch:.4g}, step {resume.step})"
     elif plan.named:  # a run.name that was meant to resume, maybe, given in another directory

@@ -30,6 +30,7 @@ from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.flops import ModelFlops
+from raytrain_ddp.optim import Accumulation
 from raytrain_ddp.recipe import Recipe
 
 
@@ -85,6 +86,11 @@ class Plan:
     extend_command: str  # continues it with train.epochs=N: trains it longer
     named: bool = True  # run.name was given (not made up for a new run)
     flops: ModelFlops = ModelFlops()  # what a training step costs: found by the pre-flight check (flops.py)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps an epoch: the same on every number of workers (the global batch stays)."""
+        return Accumulation.on(self.config, self.train_rows, self.config.scaling.max_workers).steps
 
 
 def stand(config: Config) -> Standing:
