@@ -492,7 +492,8 @@ class LoopbackCluster:
             unshare = ["unshare", "--mount", "--propagation", "private"]
             worker = [*unshare, "sh", "-c", f"mount -t tmpfs tmpfs {self.node_local} && exec {' '.join(worker)}"]
         self._run(worker, self._node_env(name))
-        wait_until(lambda: len(self.nodes()) == len(before) + 1, 60, f"node {name} in the cluster")
+        # A new node id, not a count: a node killed a moment ago may be marked dead meanwhile.
+        wait_until(lambda: {node["node_id"] for node in self.nodes()} - before, 60, f"node {name} in the cluster")
         [self.workers[name]] = {node["node_id"] for node in self.nodes()} - before
 
     def kill_node(self, name: str) -> list[int]:
