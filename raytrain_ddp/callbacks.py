@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -80,7 +81,10 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
     def after_controller_start(self, train_run_context) -> None:
         self._put("controller")
         try:  # the driver's way to end the run when its resources do not come (run.resources_wait_s)
-            controller = ray.get_runtime_context().current_actor
+            # Pickled here: as a handle, the queue's actor would deserialize it, importing Ray Train's
+            # controller module first (~1 s), and this put and every one behind it would wait that
+            # long, holding up the worker group's start by as much in every run.
+            controller = pickle.dumps(ray.get_runtime_context().current_actor)
             self.queue.put(("controller", controller, train_run_context.run_id), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("the controller's handle not sent to the driver: %s", e)

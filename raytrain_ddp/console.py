@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -74,7 +75,7 @@ class LiveProgress:
         self.lost: list[str] = []  # the nodes lost with the latest failed attempt, described
         self.stopped: str | None = None
         self.config, self.gave_up = config, None  # gave_up: why the driver ended the run, if it did
-        self._controller = None  # Ray Train's controller actor, and its run's id (ControllerMarks sends them)
+        self._controller = None  # Ray Train's controller actor, pickled, and its run's id (ControllerMarks sends them)
         self._run_id = None
         self._worker_nodes: dict[int, str] = {}  # rank: node id, of the latest worker group
         self._preemption = ""  # the preemption under way, as said
@@ -255,7 +256,7 @@ class LiveProgress:
         if self._controller is None:
             logger.warning("cannot end the run: the controller's handle never came")
             return
-        ray.kill(self._controller, no_restart=True)
+        ray.kill(pickle.loads(self._controller), no_restart=True)
         capacity.withdraw(self._run_id)
 
     def _show(self, m: dict[str, Any]) -> None:
