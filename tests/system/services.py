@@ -493,8 +493,14 @@ class LoopbackCluster:
             worker = [*unshare, "sh", "-c", f"mount -t tmpfs tmpfs {self.node_local} && exec {' '.join(worker)}"]
         self._run(worker, self._node_env(name))
         # A new node id, not a count: a node killed a moment ago may be marked dead meanwhile.
-        wait_until(lambda: {node["node_id"] for node in self.nodes()} - before, 60, f"node {name} in the cluster")
-        [self.workers[name]] = {node["node_id"] for node in self.nodes()} - before
+        new: set[str] = set()
+
+        def joined() -> bool:
+            new.update({node["node_id"] for node in self.nodes()} - before)
+            return bool(new)
+
+        wait_until(joined, 60, f"node {name} in the cluster")
+        [self.workers[name]] = new
 
     def kill_node(self, name: str) -> list[int]:
         """The node `name` dies as a machine does: every one of its processes SIGKILLed at once."""
