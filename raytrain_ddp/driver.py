@@ -20,12 +20,13 @@ from typing import Any
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from rich.console import Console
 
 from raytrain_ddp import console as ui
 from raytrain_ddp import data, lease, preflight, session, storage, timeline, tracking
 from raytrain_ddp import plan as planning
-from raytrain_ddp.callbacks import MLflowMetrics
+from raytrain_ddp.callbacks import MLflowMetrics, PromptCleanerStop
 from raytrain_ddp.config import Config
 from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed, RunInterrupted
@@ -170,9 +171,17 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
     return result
 
 
+class _Trainer(TorchTrainer):
+    """Ray's TorchTrainer, its placement-group cleaner stopped without a wait (PromptCleanerStop)."""
+
+    def _create_default_callbacks(self) -> list:
+        callbacks = super()._create_default_callbacks()
+        return [PromptCleanerStop() if type(c) is PlacementGroupCleanerCallback else c for c in callbacks]
+
+
 def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:
     config, ray_data = plan.config, data.is_ray(plan.datasets)
-    return TorchTrainer(
+    return _Trainer(
         train_loop_per_worker,
         train_loop_config={
             "config": config.to_dict(),
