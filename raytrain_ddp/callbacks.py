@@ -1,21 +1,20 @@
 """What runs on Ray Train's controller: `ProgressRelay` and `ControllerMarks` put reports, failures and
-the worker group's phases on the driver's queue; `MLflowMetrics` logs each report's metrics to MLflow;
-`PromptCleanerStop` is Ray Train's placement-group cleaner, stopped without waiting for it.
+the worker group's phases on the driver's queue (where the console shows them and
+`tracking.MetricsLog` logs each report's metrics to MLflow); `PromptCleanerStop` is Ray Train's
+placement-group cleaner, stopped without waiting for it.
 
 Kept light to import: the controller imports this module (to unpickle the callbacks) before it
-starts a worker, so an import here delays every run's first step: no torch (a second and more), and
-mlflow (a second or two) loads on MLflowMetrics' logging thread, on the controller only. (Ray Train
-also sends the run's callbacks to every worker with its run context, where they do nothing.)
+starts a worker, so an import here delays every run's first step: no torch (a second and more), no
+mlflow (a second and more, and the store opened: MLflow is the driver's alone). (Ray Train also sends
+the run's callbacks to every worker with its run context, where they do nothing.)
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,6 @@ from ray.exceptions import RayActorError
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.queue import Queue
-
-from raytrain_ddp.metrics import GENERATED, STOPPED, STOPPED_EARLY
-
-GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
-STOPPED_EARLY_TAG = "raytrain_ddp.stopped_early"  # on the MLflow run that early stopping ended: why
-# MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
-# is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
-BOUNDED_RETRIES = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-}
 
 logger = logging.getLogger(__name__)
 
@@ -159,103 +146,6 @@ class PromptCleanerStop(PlacementGroupCleanerCallback):
             self._cleaner = None
 
 
-_LOGGERS: dict[str, ThreadPoolExecutor] = {}  # MLflow run id: its logging thread, on this controller
-
-
-class MLflowMetrics(ray.train.UserCallback):
-    """Runs on the Ray Train controller: each report's global metrics go to MLflow as they arrive.
-
-    Logging happens on a thread of its own, in order: a call to MLflow here would hold up the
-    controller's polls of the workers, and with them failure detection and the next report's record.
-    The thread starts when the controller unpickles this callback, before it starts the workers, and
-    imports mlflow and connects while they start. The report that ends the run (the last epoch, or a
-    stop) waits until everything is logged, so the run's metrics are all in MLflow when fit() returns.
-
-    An exception here would end the run as a controller error, which Ray never retries: a store
-    that is unavailable costs a warning and seconds (see BOUNDED_RETRIES), never the training;
-    every checkpoint's metrics.json keeps the numbers."""
-
-    def __init__(self, tracking_uri: str, run_id: str, epochs: int):
-        self.tracking_uri, self.run_id, self.epochs = tracking_uri, run_id, epochs
-        self._logger: ThreadPoolExecutor | None = None  # started on the controller (not picklable)
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        reported = metrics[0]  # every rank reports the same global metrics
-        now = int(time.time() * 1000)
-        step = int(reported["step"])  # the optimizer step: the x-axis of every metric (epoch is a metric)
-        batch = [(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
-        if self._logger is None:
-            self._start()
-        logged = self._logger.submit(self._log, step, batch, reported.get(GENERATED), reported.get(STOPPED_EARLY))
-        if reported["epoch"] >= self.epochs or STOPPED in reported or STOPPED_EARLY in reported:
-            logged.result()
-
-    def after_exception(self, run_context, worker_exceptions) -> None:
-        if self._logger is not None:  # the run may end here: what was reported is logged first
-            self._logger.submit(lambda: None).result()
-
-    def _start(self) -> None:
-        # Ray unpickles this callback twice on the controller (from the callback list, and with the run
-        # config in the run's context): both copies share one logging thread and one store connection.
-        if (started := _LOGGERS.get(self.run_id)) is not None:
-            self._logger = started
-            return
-        for key, value in BOUNDED_RETRIES.items():  # the controller's own process
-            os.environ.setdefault(key, value)
-        self._logger = _LOGGERS[self.run_id] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
-        self._logger.submit(self._client)  # mlflow imported, the store opened: before the first report
-
-    def _client(self):
-        try:
-            from mlflow.tracking import MlflowClient  # here, on the logging thread: see the module's docstring
-
-            client = MlflowClient(self.tracking_uri)
-            client.get_run(self.run_id)
-            return client
-        except Exception as e:  # noqa: BLE001 - a store down now may be back at the first report
-            logger.warning("MLflow: not reachable at the start (%s); each report will try again", e)
-            return None
-
-    def _log(
-        self, step: int, batch: list[tuple], generated: list[dict[str, str]] | None, stopped_early: str | None
-    ) -> None:
-        try:
-            from mlflow.entities import Metric
-            from mlflow.tracking import MlflowClient
-
-            client = MlflowClient(self.tracking_uri)
-            client.log_batch(self.run_id, metrics=[Metric(*metric) for metric in batch])
-            if generated:  # one table for the run, a row per sample and evaluation
-                columns = {key: [row[key] for row in generated] for key in generated[0]}
-                client.log_table(self.run_id, {"step": [step] * len(generated), **columns}, GENERATED_FILE)
-            if stopped_early:
-                client.set_tag(self.run_id, STOPPED_EARLY_TAG, stopped_early)
-        except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
-            logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_logger": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickled on the controller, which does so before it starts the workers: start logging now
-        (mlflow imported, the store opened, while the workers start)."""
-        self.__dict__.update(state)
-        if _on_the_controller():  # Ray Train unpickles it on every worker too, which must not log
-            self._start()
-
-
-def _on_the_controller() -> bool:
-    """Whether this process is Ray Train's controller (an actor of class TrainController). Where Ray
-    no longer says so this way, False: the controller then starts logging at the first report."""
-    if not ray.is_initialized():  # (asking for the runtime context would start a Ray)
-        return False
-    context = ray.get_runtime_context()
-    if context.get_actor_id() is None:
-        return False
-    descriptor = getattr(context.current_actor, "_ray_actor_creation_function_descriptor", None)
-    return getattr(descriptor, "class_name", None) == "TrainController"
-
-
 def _preempted(error: BaseException) -> bool:
     """Whether a worker died with its node, drained for a preemption (Ray Train's own test)."""
     error = getattr(error, "health_check_failure", error)
@@ -276,7 +166,3 @@ def one_line(error: BaseException) -> str:
     if len(last) > 120:  # the first sentence says it (gloo goes on for three more)
         last = re.split(r"(?<=\.) ", last, maxsplit=1)[0]
     return last if len(last) <= 200 else last[:199] + "…"
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -58,10 +58,18 @@ class LiveProgress:
     the start or after a node is lost: says what they wait for and what the cluster has, and
     after run.resources_wait_s ends the run (`gave_up` says why) instead of Ray's endless retries."""
 
-    def __init__(self, console: Console, plan: Plan, timeline: Timeline, last_epoch: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        console: Console,
+        plan: Plan,
+        timeline: Timeline,
+        last_epoch: Callable[[], Any] | None = None,
+        reported: Callable[[dict[str, Any]], None] | None = None,
+    ):
         config = plan.config
         self.timeline = timeline  # the phases of the worker group (ControllerMarks) and of rank 0 (its reports)
         self.last_epoch = last_epoch  # called once, from the first report after which one epoch is left
+        self.reported = reported  # called with every report's metrics, in order (tracking.MetricsLog.add)
         self.console, self.epochs = console, config.train.epochs
         self.score, self.order = config.checkpoint.score_attribute, config.checkpoint.score_order
         self.max_failures, self.latest = config.run.max_failures, plan.resume.checkpoint
@@ -149,6 +157,8 @@ class LiveProgress:
                 metrics, self.latest = event
                 self._deciding_since = None
                 self.timeline.add(metrics.pop(MARKS, {}))
+                if self.reported is not None:
+                    self.reported(metrics)
                 self._show(metrics)
             elif kind == "failure":
                 self.progress.restart()

@@ -26,7 +26,7 @@ from rich.console import Console
 from raytrain_ddp import console as ui
 from raytrain_ddp import data, lease, preflight, session, storage, timeline, tracking
 from raytrain_ddp import plan as planning
-from raytrain_ddp.callbacks import MLflowMetrics, PromptCleanerStop
+from raytrain_ddp.callbacks import PromptCleanerStop
 from raytrain_ddp.config import Config
 from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed, RunInterrupted
@@ -104,9 +104,13 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     config = plan.config
     # While the last epoch trains, the driver loads what registering the model will take.
     registers = config.mlflow.register != "never" and plan.recipe.log_model is None
-    progress = ui.LiveProgress(console, plan, timeline.current(), tracking.prepare_model_logging if registers else None)
+    metrics_log = tracking.MetricsLog(config.mlflow.tracking_uri, run_id)
+    progress = ui.LiveProgress(
+        console, plan, timeline.current(), tracking.prepare_model_logging if registers else None, metrics_log.add
+    )
     try:
-        result = _fit(plan, run_id, progress)
+        with metrics_log:  # every report's metrics in MLflow before it ends
+            result = _fit(plan, run_id, progress)
         if progress.stopped is not None:
             raise RunFailed(progress.stopped)
         metrics = result.metrics or {}
@@ -209,11 +213,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
                 checkpoint_score_order=config.checkpoint.score_order,
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
-            callbacks=[
-                MLflowMetrics(config.mlflow.tracking_uri, run_id, config.train.epochs),
-                progress.relay,
-                progress.marks,
-            ],
+            callbacks=[progress.relay, progress.marks],
         ),
         datasets=plan.datasets if ray_data else None,
         dataset_config=data.dataset_config(),

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import ray
 import ray.data
 
-from raytrain_ddp import callbacks
 from raytrain_ddp.ray_address import ADDRESS_ENV, RayAddress, check_environment
 
 # Ray Train reads its controller's poll interval from the driver's environment when fit() starts.
@@ -30,6 +29,13 @@ PLACEMENT_WAIT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # the placement g
 ELASTIC_PLACEMENT_WAIT_S = 15
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
+# MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
+# is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
+BOUNDED_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 
 
 interrupted_by: str | None = None  # "SIGTERM" once the command was told to stop (stop_on_sigterm)
@@ -126,8 +132,8 @@ def autoscaler_config():
 
 
 def bounded_mlflow_retries() -> contextlib.AbstractContextManager:
-    """MLflow's HTTP retries bounded (callbacks.BOUNDED_RETRIES), unless the environment sets them."""
-    return environment({key: os.environ.get(key, value) for key, value in callbacks.BOUNDED_RETRIES.items()})
+    """MLflow's HTTP retries bounded (BOUNDED_RETRIES), unless the environment sets them."""
+    return environment({key: os.environ.get(key, value) for key, value in BOUNDED_RETRIES.items()})
 
 
 @contextlib.contextmanager

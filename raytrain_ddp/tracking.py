@@ -1,9 +1,10 @@
 """MLflow: one MLflow run per training run, metrics logged live, the final model registered.
 
-The driver's only module that imports mlflow. Workers never talk to MLflow: `callbacks.MLflowMetrics`
-runs on the Ray Train controller and logs each epoch's metrics as the report arrives; the driver
-creates the run before training and registers the best checkpoint's model after it, moving the
-model's `champion` alias as champion.py's rule says (`converge_champion`; `promote` by hand).
+The driver's only module that imports mlflow, and the driver the only process that talks to MLflow
+(neither Ray Train's controller nor the workers import it): it creates the run before training, logs
+each report's metrics as the report reaches it (`MetricsLog`), and registers the best checkpoint's
+model after training, moving the model's `champion` alias as champion.py's rule says
+(`converge_champion`; `promote` by hand).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -21,13 +23,14 @@ from typing import Any, Literal
 import mlflow
 import numpy as np
 import torch
-from mlflow.entities import Param, RunStatus
+from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.tracking import MlflowClient
 
 from raytrain_ddp import champion
 from raytrain_ddp.config import Config
+from raytrain_ddp.metrics import GENERATED, STOPPED_EARLY
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "raytrain_ddp.run_name"
@@ -44,6 +47,8 @@ CHAMPION = "champion"
 CHAMPION_TAG = "raytrain_ddp.champion"
 PROMOTED_TAG = "raytrain_ddp.promoted"
 MODEL_ARTIFACT = "model"
+GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
+STOPPED_EARLY_TAG = "raytrain_ddp.stopped_early"  # on the MLflow run that early stopping ended: why
 logger = logging.getLogger(__name__)
 
 
@@ -67,7 +72,7 @@ class RegisteredModel:
 
 def resolve_tracking_uri(setting: str | None) -> str:
     """Config, else $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db; relative sqlite paths made absolute,
-    because the controller that logs metrics does not share the driver's working directory."""
+    because Ray's processes that use it (the registering task's) do not share the driver's working directory."""
     uri = setting or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
@@ -213,6 +218,45 @@ def find_run(config: Config, run_path: str) -> str | None:
 
 def _identity(run_name: str, run_path: str) -> str:
     return f"tags.`{RUN_NAME_TAG}` = '{run_name}' and tags.`{RUN_PATH_TAG}` = '{run_path}'"
+
+
+class MetricsLog:
+    """Each report's global metrics, logged to the MLflow run at the report's optimizer step (`epoch`
+    is a metric too, fractional mid-epoch) as the report reaches the driver (`add`, from the progress
+    display, which `callbacks.ProgressRelay` sends every report), in order, on a thread of its own:
+    the display never waits for MLflow. Also the samples a recipe generates at each evaluation (one
+    table for the run, a row per sample and evaluation) and, on the report that ends a run early, why.
+
+    Leaving the block waits until every report added is logged, so when fit() has returned the run's
+    metrics are all in MLflow. A store that is unavailable costs a warning per report, after MLflow's
+    bounded retries (session.bounded_mlflow_retries), never the training: every checkpoint's
+    metrics.json keeps the numbers."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._thread.shutdown(wait=True)
+
+    def add(self, reported: dict[str, Any]) -> None:
+        now, step = int(time.time() * 1000), int(reported["step"])
+        batch = [Metric(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
+        self._thread.submit(self._log, step, batch, reported.get(GENERATED), reported.get(STOPPED_EARLY))
+
+    def _log(self, step: int, batch: list[Metric], generated: list[dict[str, str]] | None, stopped_early: str | None):
+        try:
+            self.client.log_batch(self.run_id, metrics=batch)
+            if generated:
+                columns = {key: [row[key] for row in generated] for key in generated[0]}
+                self.client.log_table(self.run_id, {"step": [step] * len(generated), **columns}, GENERATED_FILE)
+            if stopped_early:
+                self.client.set_tag(self.run_id, STOPPED_EARLY_TAG, stopped_early)
+        except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
+            logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
 
 
 def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:

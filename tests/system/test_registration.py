@@ -171,7 +171,7 @@ def test_early_stopping_ends_the_run_finished_registers_its_best_and_its_counter
     it trains one epoch more, counting on from the checkpoint's 2 (from 0 it would train 3 more)."""
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp.callbacks import STOPPED_EARLY_TAG
+    from raytrain_ddp.tracking import STOPPED_EARLY_TAG
 
     early = (
         "checkpoint.score_attribute=epoch",

@@ -67,7 +67,7 @@ def test_server_gone_after_training_then_register_later_once(
 
     def trained() -> bool:
         """The last checkpoint has landed, and the first two epochs' metrics are in MLflow (logged
-        live, by the controller, on a thread that may lag a report behind training)."""
+        live, by the driver, on a thread that may lag a report behind training)."""
         if not (run_path / "epoch_0003" / "manifest.json").exists():
             return False
         runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name='away'")

@@ -121,27 +121,37 @@ def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(
     assert summary.model.uri == "models:/digits-resnet18/1"
 
 
-def test_only_the_controller_logs_to_mlflow(ray_session):
-    """Ray Train sends the run's callbacks to every worker too (with its run context): unpickled
-    anywhere but on its controller (a worker, the driver), MLflowMetrics starts no logging thread, so
-    no worker imports mlflow or connects to the store. (On the controller it does: the live metric
-    history above.)"""
-    import pickle
-
+def test_only_the_driver_imports_mlflow(ray_session):
+    """MLflow is the driver's alone (it logs each report's metrics as the report reaches it: the live
+    metric history above). Ray Train's controller and every worker unpickle the run's callbacks, and
+    the workers run the loop: in a new Ray worker process, neither imports mlflow (a second and more
+    of every run's start, and a connection to the store from each)."""
     import ray
+    from ray.util.queue import Queue
 
-    from raytrain_ddp.callbacks import MLflowMetrics
+    from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, PromptCleanerStop
 
     @ray.remote(num_cpus=0)
-    class Worker:
-        def logs(self, callback: MLflowMetrics) -> bool:  # Ray unpickles the argument in this actor
-            return callback._logger is not None
+    class Process:
+        def imports_mlflow(self, callbacks: list) -> bool:  # Ray unpickles the argument in this actor
+            import sys
 
-    callback = MLflowMetrics("sqlite:///unused.db", "run-id", epochs=1)
-    worker = Worker.remote()
-    assert ray.get(worker.logs.remote(callback)) is False
-    assert pickle.loads(pickle.dumps(callback))._logger is None
-    ray.kill(worker)
+            import raytrain_ddp.loop  # noqa: F401 - what the workers run
+
+            return "mlflow" in sys.modules
+
+    queue = Queue(actor_options={"num_cpus": 0})
+    process = Process.remote()
+    try:
+        assert (
+            ray.get(
+                process.imports_mlflow.remote([ProgressRelay(queue, None), ControllerMarks(queue), PromptCleanerStop()])
+            )
+            is False
+        )
+    finally:
+        ray.kill(process)
+        ray.kill(queue.actor)
 
 
 def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
