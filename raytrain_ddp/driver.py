@@ -11,6 +11,7 @@ model, in MLflow, as `mlflow.register` says) -> summary.
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -26,6 +27,7 @@ from rich.console import Console
 from raytrain_ddp import console as ui
 from raytrain_ddp import data, lease, preflight, session, storage, timeline, tracking
 from raytrain_ddp import plan as planning
+from raytrain_ddp.backend import ProcessGroupConfig
 from raytrain_ddp.callbacks import PromptCleanerStop
 from raytrain_ddp.config import Config
 from raytrain_ddp.early_stopping import ended_early
@@ -185,18 +187,23 @@ class _Trainer(TorchTrainer):
 
 def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:
     config, ray_data = plan.config, data.is_ray(plan.datasets)
+    loop_config = {
+        "config": config.to_dict(),
+        "recipe": plan.recipe,
+        "fitted": plan.fitted,  # the statistics of the training rows that build_model takes
+        "train_rows": plan.train_rows,  # each worker's share, on as many workers as the attempt has
+        "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
+        "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
+        "shipped_datasets": None if ray_data else plan.datasets,  # torch Datasets or streams, with the loop
+        "progress": progress.queue,  # where rank 0 sends its live progress (run.progress_s)
+    }
     return _Trainer(
-        train_loop_per_worker,
-        train_loop_config={
-            "config": config.to_dict(),
-            "recipe": plan.recipe,
-            "fitted": plan.fitted,  # the statistics of the training rows that build_model takes
-            "train_rows": plan.train_rows,  # each worker's share, on as many workers as the attempt has
-            "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
-            "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
-            "shipped_datasets": None if ray_data else plan.datasets,  # torch Datasets or streams, with the loop
-            "progress": progress.queue,  # where rank 0 sends its live progress (run.progress_s)
-        },
+        # Bound to the loop, not passed as `train_loop_config`: Ray Train keeps that in the run's
+        # context, which its controller unpickles before it starts a worker (importing the recipe's
+        # modules: torch, transformers) and each worker a second time. The loop itself reaches the
+        # workers alone, once, through the object store.
+        functools.partial(train_loop_per_worker, loop_config),
+        torch_config=ProcessGroupConfig(),  # Ray's TorchConfig, without torch on the controller
         scaling_config=ScalingConfig(
             num_workers=config.scaling.num_workers,  # (min, max): elastic
             elastic_resize_monitor_interval_s=config.scaling.resize_check_s,
