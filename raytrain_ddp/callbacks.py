@@ -1,7 +1,6 @@
 """What runs on Ray Train's controller: `ProgressRelay` and `ControllerMarks` put reports, failures and
 the worker group's phases on the driver's queue (where the console shows them and
-`tracking.MetricsLog` logs each report's metrics to MLflow); `PromptCleanerStop` is Ray Train's
-placement-group cleaner, stopped without waiting for it.
+`tracking.MetricsLog` logs each report's metrics to MLflow).
 
 Kept light to import: the controller imports this module (to unpickle the callbacks) before it
 starts a worker, so an import here delays every run's first step: no torch (a second and more), no
@@ -21,7 +20,6 @@ from typing import Any
 import ray
 import ray.train
 from ray.exceptions import RayActorError
-from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.queue import Queue
 
@@ -128,22 +126,6 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
             self.queue.put(("marks", {phase: time.time()}), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("timeline mark %s not kept: %s", phase, e)
-
-
-class PromptCleanerStop(PlacementGroupCleanerCallback):
-    """Ray Train's own placement-group cleaner (a detached actor per run that removes the workers'
-    placement group if the controller dies without doing so), told to stop without waiting for it.
-
-    Ray's version waits on the actor's stop, whose monitor thread sees the stop only at its next
-    check of the controller, up to a second later: 0.5 s of every run's end on average, between the
-    worker group's shutdown and fit() returning. The actor ends at that check all the same; by then
-    the controller has removed the placement group itself, and the cleaner never removes one while the
-    controller lives. (`driver._Trainer` puts this in the place of Ray's.)"""
-
-    def _stop_cleaner(self) -> None:
-        if self._cleaner is not None:
-            self._cleaner.stop.remote()
-            self._cleaner = None
 
 
 def _preempted(error: BaseException) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -113,6 +114,38 @@ def withdraw(run_id: str) -> None:
         ray.get(coordinator.cancel_request.remote(requester_id=f"train-{run_id}"), timeout=10)
     except Exception as e:  # noqa: BLE001 - it expires by itself
         logger.warning("the run's resource request was not withdrawn (it expires within 3 min): %s", e)
+
+
+def placement_groups() -> dict[str, str]:
+    """The placement groups of this driver's job (a group's id ends with its job's) that are not
+    removed, with their state (PENDING, CREATED, RESCHEDULING): what its Ray Train runs hold or wait
+    for, and any of the driver's own. Empty where Ray does not answer."""
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        job, table = ray.get_runtime_context().get_job_id(), placement_group_table()
+    except Exception:  # noqa: BLE001 - no answer (Ray gone: the job's groups with it)
+        return {}
+    return {id_: pg["state"] for id_, pg in table.items() if id_.endswith(job) and pg["state"] != "REMOVED"}
+
+
+def release(kept: Iterable[str]) -> None:
+    """Remove the placement groups this driver's job has, but those in `kept` (what it had before the
+    run's fit(): a notebook's own), once the run's fit() has ended in a failure.
+
+    Ray Train's controller removes its workers' group as it ends; one that died, or that the driver
+    killed (run.resources_wait_s), leaves it behind: a placement group outlives the actor that created
+    it and goes only with its job, so until the driver exits (a notebook's kernel) it would hold the
+    workers' resources, or take them once they come. Ray Train's own cleaner for this, a detached
+    actor that watches the controller, is one more process to start in every run; the driver, which
+    sees the run fail anyway, does it instead (driver._Trainer)."""
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    for id_ in placement_groups().keys() - set(kept):
+        try:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(id_))))
+        except Exception as e:  # noqa: BLE001 - the run's own error is what the user needs to see
+            logger.warning("the run's placement group %s was not removed: %s", id_, e)
 
 
 def lost_nodes(ranks: dict[int, str]) -> list[str]:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import ray.train
 from ray.train import WorkerGroupError
-from ray.util.placement_group import placement_group_table
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
@@ -102,7 +101,6 @@ class LiveProgress:
         # On the driver's node: a node of the cluster may be lost, this one never without the driver.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
-        self._job = ray.get_runtime_context().get_job_id()  # whose placement groups _watch looks at
         self.relay = ProgressRelay(self.queue, self.latest)
         self.marks = ControllerMarks(self.queue)
         self._status.start()
@@ -244,14 +242,9 @@ class LiveProgress:
         self._status.update(f"Waiting for the workers' resources ({waited:.0f} of {limit:g} s)…")
 
     def _placement_pending(self) -> bool:
-        """Whether a placement group of this driver's job (Ray Train's controller creates the workers'
-        placement group; its id ends with the job's) waits for resources."""
-        try:
-            table = placement_group_table()
-        except Exception:  # noqa: BLE001 - no answer: no verdict
-            return False
-        waiting = ("PENDING", "RESCHEDULING")
-        return any(pg_id.endswith(self._job) and pg["state"] in waiting for pg_id, pg in table.items())
+        """Whether a placement group of this driver's job (Ray Train's controller creates the workers')
+        waits for resources."""
+        return any(state in ("PENDING", "RESCHEDULING") for state in capacity.placement_groups().values())
 
     def _placed(self) -> None:
         if self._announced:
@@ -260,9 +253,9 @@ class LiveProgress:
 
     def _abort(self) -> None:
         """End the run: Ray Train's controller is killed, and fit() raises. (Its `abort`, what Ctrl-C
-        calls, waits behind the placement group's wait, a minute at a time.) The placement group it
-        asked for goes with it, and there are no workers yet to stop; its request to Ray's autoscaling
-        coordinator is withdrawn (`capacity.withdraw`)."""
+        calls, waits behind the placement group's wait, a minute at a time.) There are no workers yet
+        to stop; its request to Ray's autoscaling coordinator is withdrawn (`capacity.withdraw`), and
+        the placement group it asked for is removed once fit() has raised (`capacity.release`)."""
         if self._controller is None:
             logger.warning("cannot end the run: the controller's handle never came")
             return

@@ -21,14 +21,14 @@ from typing import Any
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from rich.console import Console
 
+from raytrain_ddp import capacity, data, lease, preflight, session, storage, timeline, tracking
 from raytrain_ddp import console as ui
-from raytrain_ddp import data, lease, preflight, session, storage, timeline, tracking
 from raytrain_ddp import plan as planning
 from raytrain_ddp.backend import ProcessGroupConfig
-from raytrain_ddp.callbacks import PromptCleanerStop
 from raytrain_ddp.config import Config
 from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed, RunInterrupted
@@ -162,13 +162,16 @@ def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) 
 
 
 def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result:
-    sigint = signal.getsignal(signal.SIGINT)
+    sigint, kept = signal.getsignal(signal.SIGINT), capacity.placement_groups()
     try:
         # The relay of the progress display exists once it has started; Ray Train reads its
         # settings from the driver's environment when fit() starts.
         settings = session.fit_environment(plan.config.run.controller_poll_s, plan.config.scaling.elastic)
         with progress, session.environment(settings):
             result = _trainer(plan, run_id, progress).fit()
+    except BaseException:
+        capacity.release(kept)  # the workers' placement group, where a dead or killed controller left it
+        raise
     finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, sigint)
@@ -178,11 +181,14 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
 
 
 class _Trainer(TorchTrainer):
-    """Ray's TorchTrainer, its placement-group cleaner stopped without a wait (PromptCleanerStop)."""
+    """Ray's TorchTrainer without two helper processes its runs would start and not need: the
+    placement-group cleaner (a detached actor that removes the workers' placement group if the
+    controller dies: the driver does that, `capacity.release`), and the dataset manager of a run
+    without Ray Datasets (streams and torch Datasets travel with the loop)."""
 
     def _create_default_callbacks(self) -> list:
-        callbacks = super()._create_default_callbacks()
-        return [PromptCleanerStop() if type(c) is PlacementGroupCleanerCallback else c for c in callbacks]
+        unneeded = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, unneeded)]
 
 
 def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:

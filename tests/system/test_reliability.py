@@ -321,6 +321,45 @@ def test_resources_the_cluster_cannot_hold_are_refused_before_training(ray_sessi
     )
 
 
+def test_a_run_whose_workers_never_fit_gives_up_and_frees_its_placement_group_but_not_the_callers(
+    ray_session, workspace, record
+):
+    """A driver that lives on (a notebook): the caller's own placement group holds 1 of the 2 CPUs (the
+    other builds the datasets), so the run's workers (2 × 0.75) wait; after run.resources_wait_s the
+    driver kills Ray Train's controller, and the workers' pending placement group, which outlives its
+    controller, is removed (Ray Train's own cleaner is not started); the caller's is untouched."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from raytrain_ddp import RunFailed, capacity, run
+
+    own = placement_group([{"CPU": 1}])
+    ray.get(own.ready(), timeout=30)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RunFailed, match=re.escape("did not come within 3 s (run.resources_wait_s)")):
+            run(
+                load_config(
+                    TINY,
+                    overrides=workspace.overrides("scaling.resources_per_worker={CPU: 0.75}", "run.resources_wait_s=3"),
+                )
+            )
+        seconds = time.monotonic() - started
+        assert capacity.placement_groups() == {own.id.hex(): "CREATED"}
+        assert placement_group_table(own)["state"] == "CREATED"
+    finally:
+        remove_placement_group(own)
+    record(
+        "workers never placed, driver lives on",
+        attempts=0,
+        resumed="-",
+        wasted="-",
+        checkpoints=0,
+        versions=0,
+        note=f"gave up in {seconds:.0f} s; its placement group removed, the caller's kept",
+    )
+
+
 def test_a_run_resumed_on_fewer_workers_then_more_keeps_its_global_batch_and_trains_each_row_once_an_epoch(
     ray_session, workspace, record
 ):

@@ -129,7 +129,7 @@ def test_only_the_driver_imports_mlflow(ray_session):
     import ray
     from ray.util.queue import Queue
 
-    from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, PromptCleanerStop
+    from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay
 
     @ray.remote(num_cpus=0)
     class Process:
@@ -143,12 +143,7 @@ def test_only_the_driver_imports_mlflow(ray_session):
     queue = Queue(actor_options={"num_cpus": 0})
     process = Process.remote()
     try:
-        assert (
-            ray.get(
-                process.imports_mlflow.remote([ProgressRelay(queue, None), ControllerMarks(queue), PromptCleanerStop()])
-            )
-            is False
-        )
+        assert ray.get(process.imports_mlflow.remote([ProgressRelay(queue, None), ControllerMarks(queue)])) is False
     finally:
         ray.kill(process)
         ray.kill(queue.actor)
