@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -225,8 +226,11 @@ class WorkerData:
         self.train, self.seed = train, seed
         self.loaders = self.streams = None
         if shipped is None:
-            self.train_shard = ray.train.get_dataset_shard("train")
-            self.val_shard = ray.train.get_dataset_shard("val")
+            # Asked for on a thread: the shards come once Ray Train's dataset manager (a new process)
+            # has started and split the data, while this rank builds and wraps its model.
+            asking = ThreadPoolExecutor(1, thread_name_prefix="shards")
+            self._shards = asking.submit(lambda: tuple(map(ray.train.get_dataset_shard, ("train", "val"))))
+            asking.shutdown(wait=False)  # its thread ends with the one task
         elif is_stream(shipped):
             share = {"rank": self.rank, "world_size": self.world_size, "seed": seed, "data": data}
             self.streams = {
@@ -242,6 +246,14 @@ class WorkerData:
             }
         else:
             self.loaders = self._loaders(shipped)
+
+    @property
+    def train_shard(self) -> ray.data.DataIterator:
+        return self._shards.result()[0]
+
+    @property
+    def val_shard(self) -> ray.data.DataIterator:
+        return self._shards.result()[1]
 
     def stream_read(self) -> tuple[int, set[str]]:
         """A stream's training rows this rank read in the epoch (since the epoch's start, or since the
