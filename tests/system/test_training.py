@@ -121,29 +121,34 @@ def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(
     assert summary.model.uri == "models:/digits-resnet18/1"
 
 
-def test_only_the_driver_imports_mlflow(ray_session):
+def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session):
     """MLflow is the driver's alone (it logs each report's metrics as the report reaches it: the live
-    metric history above). Ray Train's controller and every worker unpickle the run's callbacks, and
-    the workers run the loop: in a new Ray worker process, neither imports mlflow (a second and more
-    of every run's start, and a connection to the store from each)."""
+    metric history above), and Ray Train's controller needs no torch: in a new Ray worker process,
+    what the controller unpickles before it starts a worker (the run's callbacks and the backend
+    config) imports neither (each a second and more of every run's start), and what the workers run
+    besides (the loop) imports no mlflow."""
     import ray
     from ray.util.queue import Queue
 
+    from raytrain_ddp.backend import ProcessGroupConfig
     from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay
 
     @ray.remote(num_cpus=0)
     class Process:
-        def imports_mlflow(self, callbacks: list) -> bool:  # Ray unpickles the argument in this actor
+        def loaded(self, unpickled: list, also: str | None = None) -> set[str]:  # Ray unpickles them here
+            import importlib
             import sys
 
-            import raytrain_ddp.loop  # noqa: F401 - what the workers run
-
-            return "mlflow" in sys.modules
+            if also:
+                importlib.import_module(also)
+            return {"torch", "mlflow"} & sys.modules.keys()
 
     queue = Queue(actor_options={"num_cpus": 0})
     process = Process.remote()
     try:
-        assert ray.get(process.imports_mlflow.remote([ProgressRelay(queue, None), ControllerMarks(queue)])) is False
+        controllers = [ProgressRelay(queue, None), ControllerMarks(queue), ProcessGroupConfig()]
+        assert ray.get(process.loaded.remote(controllers)) == set()
+        assert ray.get(process.loaded.remote([], also="raytrain_ddp.loop")) == {"torch"}  # what the workers run
     finally:
         ray.kill(process)
         ray.kill(queue.actor)
