@@ -9,7 +9,9 @@ drives the model's initialization, the shuffle and dropout, through the service.
 Faults (`model.faults`, with `model.fault_log` a directory the test owns) are "RANK:N:ACTION": when
 rank RANK (or `*`, every rank) makes its N-th training forward pass, counted over all attempts of
 the run (each pass appends "<world size>:<pid>" to fault_log/rank<R>.log, so the log also tells the
-attempts apart; and its rows' first features, which tell rows apart, to fault_log/rows<R>.log).
+attempts apart; and a line of that tag and its rows' first features, which tell rows apart, to
+fault_log/rows<R>.log, in one write: a worker killed between the two files leaves no line of rows
+without its pass).
 `exit` (os._exit) and `kill` (SIGKILL) fire at pass N only; `raise` (a
 RuntimeError), `nan` (a NaN output) and `noscore` (evaluate drops the `mse` metric) hold from pass
 N on, in every later attempt too.
@@ -59,10 +61,11 @@ class MLP(nn.Module):
         context = ray.train.get_context()
         rank = context.get_world_rank()
         log = Path(self.fault_log) / f"rank{rank}.log"
+        tag = f"{context.get_world_size()}:{os.getpid()}"
         with log.open("a") as f:
-            f.write(f"{context.get_world_size()}:{os.getpid()}\n")
+            f.write(tag + "\n")
         with (Path(self.fault_log) / f"rows{rank}.log").open("a") as f:  # each row by its first feature
-            f.write(" ".join(f"{v:.6f}" for v in x[:, 0].tolist()) + "\n")
+            f.write(" ".join([tag, *(f"{v:.6f}" for v in x[:, 0].tolist())]) + "\n")
         passes = len(log.read_text().split())
         for who, n, action in self.faults:
             if who not in ("*", str(rank)):

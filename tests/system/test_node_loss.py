@@ -325,9 +325,9 @@ def _epochs_by_attempt(faults: Path, rows: int, batch_size: int) -> list[tuple[i
     ranks = {}
     for rank in (0, 1):
         passes: dict[str, list[list[str]]] = {}  # "<world size>:<pid>": the rows of each pass
-        tags, batches = (faults / f"rank{rank}.log"), (faults / f"rows{rank}.log")
-        for tag, batch in zip(tags.read_text().split(), batches.read_text().splitlines()):
-            passes.setdefault(tag, []).append(batch.split())
+        for line in (faults / f"rows{rank}.log").read_text().splitlines():  # a pass's tag, then its rows
+            tag, *batch = line.split()
+            passes.setdefault(tag, []).append(batch)
         ranks[rank] = iter(passes.items())
     attempts = []
     for tag, own in ranks[0]:

@@ -63,6 +63,11 @@ def _attempts(workspace, rank: int) -> list[int]:
     return [pids.count(pid) for pid in dict.fromkeys(pids)]
 
 
+def _rows(log: Path) -> list[str]:
+    """The rows a rank trained on, pass after pass, from tiny's rows<R>.log (a line a pass: its tag, its rows)."""
+    return [row for line in log.read_text().splitlines() for row in line.split()[1:]]
+
+
 def _checkpoints(run_dir: Path) -> dict[str, str]:
     """Every checkpoint directory left on storage, with what verification says of it (beside them, a
     failed run's errors/ holds the workers' tracebacks)."""
@@ -381,7 +386,7 @@ def test_a_run_resumed_on_fewer_workers_then_more_keeps_its_global_batch_and_tra
     with pytest.raises(RunFailed):
         resumed()
     faults = workspace.root / "faults"
-    rows = {row for rank in (0, 1) for row in (faults / f"rows{rank}.log").read_text().split()}  # both ranks'
+    rows = {row for rank in (0, 1) for row in _rows(faults / f"rows{rank}.log")}  # both ranks'
     for log in faults.glob("*.log"):
         log.rename(log.with_suffix(".first"))
     with pytest.raises(ConfigError, match="scaling.num_workers: the run steps on 2 micro-batches"):
@@ -391,7 +396,7 @@ def test_a_run_resumed_on_fewer_workers_then_more_keeps_its_global_batch_and_tra
 
     assert done.resumed.checkpoint == "epoch_0001"
     assert done.resumed.skipped == ["epoch_0002-step_0000006: mid-epoch, a position in the data of 2 workers, not 1"]
-    trained = (faults / "rows0.log").read_text().split()
+    trained = _rows(faults / "rows0.log")
     assert not (faults / "rows1.log").exists()  # one rank
     assert len(rows) == 64 and sorted(trained[:64]) == sorted(trained[64:]) == sorted(rows)  # each row once an epoch
     run_dir = workspace.storage / "resized"
@@ -407,7 +412,7 @@ def test_a_run_resumed_on_fewer_workers_then_more_keeps_its_global_batch_and_tra
     grown = resumed("train.epochs=4")  # back on the run's own 2 workers × 1 micro-batch, for one epoch more
 
     assert grown.resumed.checkpoint == "epoch_0003"
-    epoch_4 = [row for rank in (0, 1) for row in (faults / f"rows{rank}.log").read_text().split()]
+    epoch_4 = [row for rank in (0, 1) for row in _rows(faults / f"rows{rank}.log")]
     assert sorted(epoch_4) == sorted(rows)  # split over two ranks again (each seeded afresh), each row once
     assert ckpt.open_verified(run_dir / "epoch_0004").metrics()["step"] == 16
     record(
