@@ -138,6 +138,12 @@ def processes_with(needle: str) -> list[psutil.Process]:
     ]
 
 
+def tiny_passes(log: Path) -> list[tuple[str, list[str]]]:
+    """tests/jobs/tiny.py's fault_log/rows<R>.log, pass after pass: its "<world size>:<pid>" tag and the
+    rows it trained on (each by its first feature)."""
+    return [(tag, rows) for tag, *rows in map(str.split, log.read_text().splitlines())]
+
+
 def kill_processes_with(needle: str, timeout_s: float = 3) -> list[int]:
     """End every process whose command line contains `needle` (an absolute path of at least two
     levels, such as a test's own temporary directory), and all their descendants; never the calling

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from services import BIN, LoopbackCluster, cli, loopback_cluster
+from services import BIN, LoopbackCluster, cli, loopback_cluster, tiny_passes
 
 from raytrain_ddp import checkpoint as ckpt
 
@@ -325,8 +325,7 @@ def _epochs_by_attempt(faults: Path, rows: int, batch_size: int) -> list[tuple[i
     ranks = {}
     for rank in (0, 1):
         passes: dict[str, list[list[str]]] = {}  # "<world size>:<pid>": the rows of each pass
-        for line in (faults / f"rows{rank}.log").read_text().splitlines():  # a pass's tag, then its rows
-            tag, *batch = line.split()
+        for tag, batch in tiny_passes(faults / f"rows{rank}.log"):
             passes.setdefault(tag, []).append(batch)
         ranks[rank] = iter(passes.items())
     attempts = []

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from services import tiny_passes
 
 from raytrain_ddp import ConfigError, load_config
 from raytrain_ddp import checkpoint as ckpt
@@ -64,8 +65,8 @@ def _attempts(workspace, rank: int) -> list[int]:
 
 
 def _rows(log: Path) -> list[str]:
-    """The rows a rank trained on, pass after pass, from tiny's rows<R>.log (a line a pass: its tag, its rows)."""
-    return [row for line in log.read_text().splitlines() for row in line.split()[1:]]
+    """The rows a rank trained on, pass after pass."""
+    return [row for _, rows in tiny_passes(log) for row in rows]
 
 
 def _checkpoints(run_dir: Path) -> dict[str, str]:
