@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -439,10 +440,13 @@ _preparing: threading.Thread | None = None  # prepare_model_logging's thread, on
 def prepare_model_logging() -> None:
     """Load, on a thread, what `log_pytorch_model` takes: torch.export brings in torch's compiler stack
     (2-3 s of imports on a small machine), which the driver would otherwise wait for after training.
-    Started while the last epoch trains, when the driver has nothing else to do."""
+    Started while the last epoch trains, when the driver has nothing else to do, at the lowest CPU
+    priority (`yield_the_cpu`): on cores the workers share, it still slows their steps while it runs
+    (bench/README.md says how much)."""
     global _preparing
 
     def export_once() -> None:
+        yield_the_cpu()
         try:
             torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
         except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
@@ -450,6 +454,17 @@ def prepare_model_logging() -> None:
 
     _preparing = threading.Thread(target=export_once, name="prepare-model-logging", daemon=True)
     _preparing.start()
+
+
+def yield_the_cpu() -> None:
+    """Run the calling thread under SCHED_IDLE (Linux, where a policy is per thread; elsewhere
+    nothing changes): it runs only where a core would idle, and gives way at once to a thread that
+    wakes, such as a training worker back from its all-reduce. Where Linux groups processes by session
+    (autogroup, on in most distributions), it yields only within the driver's: to the Ray the driver
+    started, not to a `ray start` cluster's workers on the same cores."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
 
 
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:
