@@ -82,6 +82,7 @@ class Run:
     ttfs_s: float | None = None
     step_ms: float | None = None  # median steady step, all ranks
     step_p90_ms: float | None = None
+    epoch_step_ms: list[float] = field(default_factory=list)  # median steady step of each epoch, all ranks
     data_wait: list[float] = field(default_factory=list)  # per worker, over all epochs
     checkpoint_s: list[float] = field(default_factory=list)  # training blocked, per checkpoint
     epoch_s: list[float] = field(default_factory=list)
@@ -259,13 +260,13 @@ class Bench:
     def _read(self, run: Run, directory: Path, launched: float, exited: float) -> None:
         traces = _read_traces(directory / "trace")
         n = self.batches_per_epoch
-        gaps = [
-            g
-            for train in traces.values()
-            for e in range(len(train) // n)
-            for g in _diffs(train[e * n : (e + 1) * n])[DROP_FIRST_STEPS:]
+        epochs = [
+            [g for train in traces.values() for g in _diffs(train[e * n : (e + 1) * n])[DROP_FIRST_STEPS:]]
+            for e in range(min(len(train) for train in traces.values()) // n)
         ]
+        gaps = [g for epoch in epochs for g in epoch]
         run.step_ms = statistics.median(gaps) * 1e3
+        run.epoch_step_ms = [statistics.median(epoch) * 1e3 for epoch in epochs]
         run.step_p90_ms = statistics.quantiles(gaps, n=10)[-1] * 1e3
         first = traces[0]
         run.ttfs_s = first[1] - launched
@@ -461,6 +462,8 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
         if side in figures and pairs:
             figures[side]["ratio_vs_a"] = _spread([r.step_ms / ra.step_ms for r, ra in pairs])
             figures[side]["ttfs_gap_vs_a_s"] = _spread([r.ttfs_s - ra.ttfs_s for r, ra in pairs])
+            by_epoch = [[b / a for b, a in zip(r.epoch_step_ms, ra.epoch_step_ms)] for r, ra in pairs]
+            figures[side]["epoch_ratio_vs_a"] = [_spread(list(epoch)) for epoch in zip(*by_epoch)]
     quiet = {r.round: r for r in by_side.get("B-quiet", [])}
     if "B" in figures and (pairs := [(r, quiet[r.round]) for r in by_side["B"] if r.round in quiet]):
         figures["B"]["ratio_vs_quiet"] = _spread([r.step_ms / rq.step_ms for r, rq in pairs])
@@ -555,6 +558,10 @@ def markdown(results: dict) -> str:
         ),
         ("MFU as B reports it (last epoch)", lambda f: _cell(f.get("reported_mfu"), ".1%")),
         ("step time vs A (same round)", lambda f: _cell(f.get("ratio_vs_a"), ".3f", "1")),
+        (
+            "… epoch by epoch, first to last (median of the rounds)",
+            lambda f: " / ".join(f"{e['median']:.2f}" for e in f.get("epoch_ratio_vs_a", [])) or "–",
+        ),
         ("step time vs B-quiet (same round): the live progress", lambda f: _cell(f.get("ratio_vs_quiet"), ".3f")),
         ("time to first step, s", lambda f: _cell(f.get("ttfs_s"), ".1f")),
         ("… minus A's (same round), s", lambda f: _cell(f.get("ttfs_gap_vs_a_s"), "+.1f", "0")),
