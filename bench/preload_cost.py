@@ -13,7 +13,6 @@ while the preparation ran against its median step before it, and how long the pr
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,37 +20,31 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import _free_port, _read_traces  # this folder's benchmark: its probe's files
+
 BENCH = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 
 PREPARE = """
 import os, sys, threading, time
 import torch
+from raytrain_ddp import tracking
 policy = sys.argv[1]
 print("ready", flush=True)
 sys.stdin.readline()
 if policy == "nice":
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 elif policy == "idle":
-    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    tracking.yield_the_cpu()
 started = time.time()
 torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
 print(started, time.time(), flush=True)
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def steps(trace: Path) -> list[tuple[float, float]]:
     """(start, gap) of every training step of every rank, within an epoch (no evaluation between)."""
-    out = []
-    for path in trace.glob("rank*.txt"):
-        times = [float(line.split()[1]) for line in path.read_text().splitlines() if line.startswith("t ")]
-        out += [(a, b - a) for a, b in zip(times, times[1:])]
+    out = [(a, b - a) for times in _read_traces(trace).values() for a, b in zip(times, times[1:])]
     median = statistics.median(gap for _, gap in out)
     return [(t, gap) for t, gap in out if gap < 5 * median]  # not across an epoch's end
 
@@ -63,7 +56,7 @@ def one(policy: str, work: Path) -> tuple[float, float, float]:
     )
     assert prepare.stdout.readline().strip() == "ready"  # torch imported before A starts
     a = subprocess.Popen(
-        [BIN / "torchrun", "--nproc-per-node=2", f"--master-port={free_port()}", BENCH / "torchrun_ddp.py",
+        [BIN / "torchrun", "--nproc-per-node=2", f"--master-port={_free_port()}", BENCH / "torchrun_ddp.py",
          BENCH / "workload.yaml", "--out", work, f"model.trace={trace}", "train.epochs=4"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
