@@ -147,10 +147,14 @@ def _merge(into: dict, new: Mapping, source: str, sources: dict, path: tuple) ->
         if isinstance(value, Mapping) and isinstance(into.get(key), dict):
             _merge(into[key], value, source, sources, key_path)
             continue
-        into[key] = dict(value) if isinstance(value, Mapping) else value
+        into[key] = _copy(value)  # a copy: a later layer merges into it, never into this layer's data
         sources[key_path] = source
         if isinstance(value, Mapping):
             sources.update((key_path + inner, source) for inner in flatten(value))
+
+
+def _copy(value: Any) -> Any:
+    return {k: _copy(v) for k, v in value.items()} if isinstance(value, Mapping) else value
 
 
 def _describe(err: dict, sources: dict, prefix: tuple = (), schema: type[BaseModel] = Config) -> str:

@@ -105,6 +105,19 @@ def test_a_mapping_override_merges_into_the_yaml_mapping():
     assert config.scaling.resources_per_worker == {"CPU": 0.5, "GPU": 1.0}
 
 
+def test_a_merge_leaves_the_job_yaml_as_it_was_for_the_resume_command():
+    """A mapping override merges into a copy: the job's own layer (what `job_config` reads back, and
+    the resume command is reckoned against) still says what its YAML says."""
+    from raytrain_ddp.layering import job_config
+    from raytrain_ddp.plan import resume_command
+
+    overrides = ["run.name=r", "scaling.use_gpu=true", "scaling.resources_per_worker={CPU: 2, GPU: 1}"]
+    config = load_config("digits", overrides=overrides)
+    assert job_config(config).scaling.resources_per_worker == {"CPU": 0.5}
+    assert load_config("digits").scaling.resources_per_worker == {"CPU": 0.5}
+    assert "scaling.resources_per_worker.CPU=2.0 scaling.resources_per_worker.GPU=1.0" in resume_command(config)
+
+
 def test_an_elastic_range_keeps_the_global_batch_on_each_count_of_workers():
     """An optimizer step is max workers × grad_accum_steps micro-batches; on fewer workers each
     accumulates more. A count in the range that cannot share a step evenly is refused, naming the
