@@ -32,6 +32,7 @@ rank's FLOPs over its own busy time, over its peak).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from dataclasses import dataclass, replace
@@ -143,8 +144,10 @@ def count(compute_loss: Any, model: torch.nn.Module, batch: dict[str, torch.Tens
     hook = f"the recipe can give them: {HOOK}, the FLOPs of a training step on `batch`"
     model.train()
     try:
-        # skip_unsupported: an op the counter has no formula for still runs (and is named below)
-        counting = FlopCounterMode(display=False, skip_unsupported=True, custom_mapping=_model_flops_mapping())
+        # skip_unsupported: an op the counter has no formula for still runs (and is named below); torch
+        # 2.11 and older have no such argument, and a higher-order op without a formula fails the count
+        skip = {"skip_unsupported": True} if "skip_unsupported" in inspect.signature(FlopCounterMode).parameters else {}
+        counting = FlopCounterMode(display=False, custom_mapping=_model_flops_mapping(), **skip)
         with torch.enable_grad(), counting as counter:
             loss = compute_loss(model, batch)
             (loss[0] if isinstance(loss, tuple) else loss).backward()
@@ -152,7 +155,7 @@ def count(compute_loss: Any, model: torch.nn.Module, batch: dict[str, torch.Tens
         return ModelFlops(missing=f"torch's FLOP counter failed on a training step ({type(e).__name__}: {e}); {hook}")
     finally:
         model.zero_grad(set_to_none=True)
-    if unsupported := counter.get_unsupported_ops():
+    if unsupported := getattr(counter, "get_unsupported_ops", dict)():
         ops = ", ".join(sorted(unsupported))
         return ModelFlops(missing=f"torch's FLOP counter cannot count {ops} in a training step; {hook}")
     flops = counter.get_total_flops()

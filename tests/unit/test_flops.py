@@ -36,6 +36,26 @@ def test_a_training_step_of_an_mlp_costs_its_matrix_products_forward_and_backwar
     assert mlp.training and all(p.grad is None for p in mlp.parameters())  # as a training step leaves it, less grads
 
 
+def test_torch_2_11s_counter_counts_the_same(monkeypatch):
+    """torch 2.11 (the GPU image's) has neither skip_unsupported nor get_unsupported_ops: its counter,
+    as that version defines it, gives the same count."""
+    import torch.utils.flop_counter as flop_counter
+
+    class Torch211Counter(flop_counter.FlopCounterMode):
+        def __init__(self, mods=None, depth=2, display=True, custom_mapping=None):
+            super().__init__(mods, depth, display, custom_mapping)
+
+        @property
+        def get_unsupported_ops(self):
+            raise AttributeError("get_unsupported_ops")
+
+    mlp = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+    batch = {"x": torch.randn(2, 784), "y": torch.tensor([3, 7])}
+    expected = count(_classify, mlp, batch, tokens=None).per_sample
+    monkeypatch.setattr(flop_counter, "FlopCounterMode", Torch211Counter)
+    assert count(_classify, mlp, batch, tokens=None).per_sample == expected == 6 * 512 * 10 + 4 * 784 * 512
+
+
 def test_frozen_weights_cost_no_weight_gradient():
     mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     mlp[0].requires_grad_(False)  # as LoRA's base
