@@ -235,8 +235,18 @@ def lineage(config: Config, run_id: str, data_fingerprint: str) -> dict[str, str
         "raytrain_ddp.data_fingerprint": data_fingerprint,
         "raytrain_ddp.torch_version": torch.__version__,
         "raytrain_ddp.ray_version": ray.__version__,
-        "raytrain_ddp.raytrain_ddp_version": importlib.metadata.version("raytrain-ddp"),
+        "raytrain_ddp.raytrain_ddp_version": service_version(),
     }
+
+
+def service_version() -> str:
+    """This service's installed version; where it runs from a checkout that was never installed (on
+    PYTHONPATH), that, with where it was imported from: a tag must not cost a trained model its
+    registration."""
+    try:
+        return importlib.metadata.version("raytrain-ddp")
+    except importlib.metadata.PackageNotFoundError:
+        return f"not installed: imported from {Path(__file__).parent}"
 
 
 def _code(recipe: Path) -> dict[str, str]:

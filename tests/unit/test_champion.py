@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 from raytrain_ddp import data, load_config, tracking
 from raytrain_ddp.champion import Promotion, champion, verdict
-from raytrain_ddp.registration import lineage
+from raytrain_ddp.registration import lineage, service_version
 from raytrain_ddp.tracking import RegisteredModel, Score
 
 TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"
@@ -138,3 +138,17 @@ def test_a_registered_version_carries_its_lineage_and_moves_the_aliases(tmp_path
     outside = lineage(load_config(str(plain / "tiny.py"), overrides=overrides), run_id, fingerprint)
     assert "raytrain_ddp.code_git_commit" not in outside and "raytrain_ddp.code_git_dirty" not in outside
     assert outside["raytrain_ddp.code_sha256"] == made_of["raytrain_ddp.code_sha256"]
+
+
+def test_a_service_never_installed_still_tags_its_versions(monkeypatch):
+    """Run from a checkout on PYTHONPATH (as on a GPU machine with no pip install) there is no package
+    metadata: the tag says so, and where the code came from, instead of failing the registration."""
+    import importlib.metadata
+
+    assert service_version() == "0.1.0"
+
+    def no_such_package(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_such_package)
+    assert service_version() == f"not installed: imported from {Path(tracking.__file__).parent}"
