@@ -3,7 +3,8 @@ cannot download datasets; the cost of a step does not depend on the values):
 
     mlp       Ray Train's own DDP benchmark model, an MLP 784-512-512-10 on FashionMNIST-shaped rows,
               labelled by a fixed random linear teacher (so there is something to learn)
-    resnet50  torchvision's ResNet-50 on 3x224x224 uint8 images, random labels    (bench/resnet50.yaml)
+    resnet50  torchvision's ResNet-50 on 3x224x224 uint8 images, random labels, channels_last
+              (bench/resnet50.yaml)
     gpt2      a GPT-2-small-sized decoder (12 layers, 768 wide, 12 heads, 1024 tokens, 50304 vocab)
               on random tokens                                                   (bench/gpt2.yaml)
 
@@ -48,7 +49,9 @@ def build_model(
     elif arch == "resnet50":
         import torchvision
 
-        model = nn.Sequential(Pixels(), torchvision.models.resnet50(num_classes=classes))
+        # channels_last (NHWC) on both sides: what cuDNN's convolutions run fastest in, bf16 above all
+        model = nn.Sequential(Pixels(channels_last=True), torchvision.models.resnet50(num_classes=classes))
+        model = model.to(memory_format=torch.channels_last)
     else:
         model = Decoder()
     if trace:
@@ -58,10 +61,15 @@ def build_model(
 
 class Pixels(nn.Module):
     """uint8 images (what the throughput workloads keep in memory) to floats in [-1, 1], on the device;
-    float inputs pass through."""
+    float inputs pass through. `channels_last`: the images laid out NHWC, as the model's weights."""
+
+    def __init__(self, channels_last: bool = False):
+        super().__init__()
+        self.channels_last = channels_last
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return images.float() / 127.5 - 1 if images.dtype == torch.uint8 else images
+        images = images.float() / 127.5 - 1 if images.dtype == torch.uint8 else images
+        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
 
 class Decoder(nn.Module):
@@ -114,6 +122,7 @@ class StepTrace:
     def __init__(self, directory: str):
         self.directory, self.fd = directory, None
 
+    @torch.compiler.disable  # under torch.compile: run as it is, not traced (a graph break before the forward)
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if not dist.is_initialized():
             return
