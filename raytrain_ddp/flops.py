@@ -13,8 +13,9 @@ which prices batches of any length. The step is counted as it runs: weights that
 (LoRA's base) cost no weight gradient, and activation checkpointing's recomputation is counted (the
 figure is then hardware, not model, FLOPs).
 
-It costs the driver a forward and a backward on two rows (nothing on a meta model: build_empty_model)
-and, the counter's first time in a process, about a second: torch imports its compiler
+It costs the driver next to no compute: the step runs on a copy of the model on the meta device
+(a step that reads a value cannot: it then runs on the model itself, a forward and a backward on two
+rows), and, the counter's first time in a process, about a second: torch imports its compiler
 (torch._dynamo) for it. So a CPU run, which has no peak to hold FLOPs against, counts nothing. A model
 the counter cannot count (an op it does not know counts 0; a step that needs real values, on a meta
 model) is said so once, in the plan, and reports no FLOPs. A recipe can give the count instead,
@@ -32,6 +33,7 @@ rank's FLOPs over its own busy time, over its peak).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import re
@@ -137,12 +139,38 @@ class ModelFlops:
 def count(compute_loss: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], tokens: int | None) -> ModelFlops:
     """The FLOPs of one training step (compute_loss, then backward) of `model` on `batch`, counted by
     torch's FLOP counter; never raises: a step it cannot count gives FLOPs that say why they are
-    missing. The model is left in training mode with no gradients."""
+    missing. The model is left in training mode with no gradients.
+
+    The counter reads shapes alone, so the step runs on a copy of the model on the meta device, which
+    computes nothing (GPT-2 small on two rows of 1,024 tokens: 0.8 s against 19 s on 2 CPU cores);
+    on the model itself only where that copy cannot run it (a step that reads a value, say)."""
+    model.train()
+    if not any(p.is_meta for p in model.parameters()):
+        try:
+            empty = _meta_copy(model)
+        except Exception:  # noqa: BLE001 - a model that cannot be copied is counted as it is
+            empty = None
+        if empty is not None:
+            on_meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            if (counted := _count(compute_loss, empty, on_meta, tokens)).known:
+                return counted
+    return _count(compute_loss, model, batch, tokens)
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters and buffers are empty tensors on the meta device: its
+    values are never copied."""
+    memo: dict[int, Any] = {id(b): torch.empty_like(b, device="meta") for b in model.buffers()}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def _count(compute_loss: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], tokens: int | None) -> ModelFlops:
     from torch.utils.flop_counter import FlopCounterMode
 
     rows = len(next(iter(batch.values())))
     hook = f"the recipe can give them: {HOOK}, the FLOPs of a training step on `batch`"
-    model.train()
     try:
         # skip_unsupported: an op the counter has no formula for still runs (and is named below); torch
         # 2.11 and older have no such argument, and a higher-order op without a formula fails the count

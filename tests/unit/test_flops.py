@@ -112,6 +112,26 @@ def test_a_step_the_counter_cannot_count_says_why_and_how_to_count_it():
     assert "no model_flops_per_s or MFU" in failed.describe()
 
 
+def test_the_step_runs_on_an_empty_copy_on_the_meta_device_unless_it_reads_a_value():
+    """The driver computes nothing to count (the counter reads shapes): the recipe's step sees a
+    meta model and meta rows, and the model's own weights are neither used nor changed. A step that
+    needs a value cannot run there, and is counted on the model itself."""
+    seen = []
+    model = nn.Sequential(nn.Linear(4, 2))
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0].device.type))
+    weights = model[0].weight.detach().clone()
+    batch = {"x": torch.randn(2, 4), "y": torch.tensor([0, 1])}
+
+    assert count(_classify, model, batch, tokens=None).per_sample == 2 * 2 * 4 * 2  # forward, weight gradient
+    assert seen == ["meta"] and torch.equal(model[0].weight, weights) and model[0].weight.grad is None
+
+    def needs_values(model, batch):
+        return _classify(model, batch) * (model[0].weight.sum() > 0).item()
+
+    assert count(needs_values, model, batch, tokens=None).per_sample == 2 * 2 * 4 * 2
+    assert seen == ["meta", "meta", "cpu"]
+
+
 @pytest.mark.parametrize(
     ("name", "precision", "tf32", "peak"),
     [
