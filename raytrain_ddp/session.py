@@ -80,8 +80,12 @@ def connect(address: RayAddress, verbose: bool) -> None:
         # tries a GCS for ~40 s, 20 times over (13 minutes, for a port that answers but is no GCS):
         # once is enough for a cluster that runs (the environment may say otherwise).
         joined = {ADDRESS_ENV: address.join, GCS_ATTEMPTS_ENV: os.environ.get(GCS_ATTEMPTS_ENV, "1")}
+        # A Ray of its own (it ends with the command) starts without the dashboard: its nine module
+        # processes cost a 2-core machine ~2 s of the start, and each wakes the cores a hundred times
+        # a second while the ranks train. For the dashboard: `ray start --head`, then RAY_ADDRESS=auto.
+        own = {} if address.join else {"include_dashboard": False}
         with environment(joined if address.join else {}):
-            ray.init(log_to_driver=verbose, logging_level=logging_level)
+            ray.init(log_to_driver=verbose, logging_level=logging_level, **own)
         if _sigterm_stops:
             signal.signal(signal.SIGTERM, _stop)
     context = ray.data.DataContext.get_current()

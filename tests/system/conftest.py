@@ -9,9 +9,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray shared by every test that trains: a cold start costs 10-20 s on 2 cores."""
+    """A local Ray shared by every test that trains: a cold start costs 10-20 s on 2 cores. Without the
+    dashboard, as the service starts its own (session.connect)."""
     import ray
 
-    ray.init(log_to_driver=False, logging_level=logging.ERROR)
+    ray.init(log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
     yield
     ray.shutdown()

@@ -105,6 +105,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
     assert a.poll() is None  # and A trains on
 
     tree = psutil.Process(a.pid).children(recursive=True)  # A's local Ray: GCS, raylet, controller, workers
+    assert not [p.name() for p in tree if p.name().startswith("ray-dashboard-")]  # a Ray of its own: no dashboard
     os.killpg(a.pid, signal.SIGKILL)
     a.wait(timeout=60)
     left = _still_running(tree, wait_s=30)
