@@ -115,6 +115,7 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
     datasets, or a RAY_ADDRESS that answers but not as a Ray cluster."""
     config, origin = standing.config, layering.origin_of(standing.config)
     recipe = origin.recipe
+    session.quiet_logs(verbose)  # before the store opens on a thread: MLflow's INFO lines off the console
     with tracking.opening_store(config.mlflow.tracking_uri):
         if standing.address.note:
             console.print(f"[dim]{standing.address.note}[/]", highlight=False)

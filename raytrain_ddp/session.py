@@ -95,6 +95,10 @@ def connect(address: RayAddress, verbose: bool) -> None:
     context.execution_options.preserve_order = True
     context.enable_progress_bars = verbose
     context.print_on_execution_start = verbose
+
+
+def quiet_logs(verbose: bool) -> None:
+    """Ray Data's, MLflow's and its migrations' INFO lines on the console only `verbose`."""
     for noisy in ("ray.data", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
 

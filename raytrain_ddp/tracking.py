@@ -9,6 +9,7 @@ model after training, moving the model's `champion` alias as champion.py's rule 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -151,25 +152,79 @@ def ui_command(tracking_uri: str) -> str:
 def opening_store(tracking_uri: str) -> Iterator[None]:
     """Open the tracking store in this process (MLflow keeps it) on a thread while the block runs: for
     a database, a second or two of imports, connecting and checking the schema, spent while Ray starts.
-    Only a server or a database that exists: creating one here would leave it behind when a later
-    check refuses the run. Errors are left to the calls that follow, which report them."""
-    scheme, _, rest = tracking_uri.partition(":")
-    if not (is_server(tracking_uri) or scheme == "sqlite" and Path(rest.removeprefix("///")).is_file()):
+    A sqlite database that does not exist yet is made beside it under a hidden name, MLflow creating
+    its schema (its ~60 migrations: 4 s on 2 cores, the first run's start), and `start_run` moves it
+    into place once the run is accepted: a run refused before that leaves no database behind, and
+    neither does a process that exits first. Errors are left to the calls that follow, which report
+    them."""
+    database = _sqlite_file(tracking_uri)
+    if database is not None and not database.exists() and database.parent.is_dir():
+        target, new = _new_database, database.with_name(f".{database.name}.{os.getpid()}.new")
+    elif is_server(tracking_uri) or database is not None and database.is_file():
+        target, new = _open_store, None
+    else:
         yield
         return
 
-    def open_store() -> None:
-        try:
-            MlflowClient(tracking_uri).search_experiments(max_results=1)
-        except Exception:  # noqa: BLE001
-            pass
-
-    thread = threading.Thread(target=open_store, name="mlflow-open-store", daemon=True)
+    thread = threading.Thread(target=target, args=(new or tracking_uri,), name="mlflow-open-store", daemon=True)
     thread.start()
     try:
         yield
-    finally:
+    except BaseException:  # the run refused: no database left behind
         thread.join()
+        if new is not None:
+            new.unlink(missing_ok=True)
+        raise
+    thread.join()
+    if new is not None and new.is_file():
+        _new_databases[tracking_uri] = new
+
+
+_new_databases: dict[str, Path] = {}  # tracking URI -> its database, made by opening_store, not yet in place
+
+
+def _sqlite_file(tracking_uri: str) -> Path | None:
+    """The file of a sqlite tracking URI (`sqlite:///relative.db`, `sqlite:////absolute.db`), else None."""
+    scheme, _, rest = tracking_uri.partition(":")
+    path = rest.removeprefix("///") if scheme == "sqlite" and rest.startswith("///") else ""
+    return Path(path) if path else None
+
+
+def _open_store(tracking_uri: str) -> None:
+    try:
+        MlflowClient(tracking_uri).search_experiments(max_results=1)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _new_database(path: Path) -> None:
+    try:
+        MlflowClient(f"sqlite:///{path}").search_experiments(max_results=1)
+    except Exception:  # noqa: BLE001 - the database is left to MLflow to make, where start_run says what failed
+        path.unlink(missing_ok=True)
+
+
+def _put_new_database_in_place(tracking_uri: str) -> None:
+    """The database opening_store made for `tracking_uri`, under its own name: never over one made
+    meanwhile (another driver's), and where a hard link cannot be made, left to MLflow to create."""
+    new = _new_databases.pop(tracking_uri, None)
+    if new is None:
+        return
+    try:
+        os.link(new, _sqlite_file(tracking_uri))
+    except OSError:
+        pass
+    new.unlink(missing_ok=True)
+
+
+def _discard_new_databases() -> None:
+    """At exit, the databases opening_store made that no run took (a run refused after its plan)."""
+    while _new_databases:
+        _, new = _new_databases.popitem()
+        new.unlink(missing_ok=True)
+
+
+atexit.register(_discard_new_databases)
 
 
 def start_run(config: Config, run_path: str, extra_params: Mapping[str, str] | None = None) -> str:
@@ -177,6 +232,7 @@ def start_run(config: Config, run_path: str, extra_params: Mapping[str, str] | N
     the run resumes. Params are the flattened config and `extra_params` (what the run found out before
     training: the model's FLOPs); a value changed on resume (train.epochs, say: see preflight.RESUMABLE)
     is kept as a tag, since MLflow params cannot change."""
+    _put_new_database_in_place(config.mlflow.tracking_uri)
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
@@ -205,7 +261,7 @@ def find_run(config: Config, run_path: str) -> str | None:
     """The id of the MLflow run of the training run at `run_path`, if the tracking store has one; a
     database that does not exist is not created."""
     uri = config.mlflow.tracking_uri
-    if uri.startswith("sqlite:") and not Path(uri.removeprefix("sqlite:///")).is_file():
+    if (database := _sqlite_file(uri)) is not None and not database.is_file():
         return None
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)

@@ -1,0 +1,81 @@
+"""A run's first MLflow database is made while Ray starts (`tracking.opening_store`, on a thread, under a
+hidden name) and put in place only once the run is accepted (`tracking.start_run`): the same database
+MLflow would have made, none left behind by a run refused before, none written over if another driver
+made one meanwhile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from raytrain_ddp import load_config, tracking
+
+TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"
+
+
+def _config(tmp_path: Path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return load_config(str(TINY), overrides=[f"mlflow.tracking_uri={uri}", "mlflow.experiment=e", "run.name=r"])
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir() if path.name != "mlruns")
+
+
+def test_a_new_database_is_made_aside_and_put_in_place_when_the_run_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where MLflow puts the Default experiment's artifacts, either way
+    config = _config(tmp_path)
+    with tracking.opening_store(config.mlflow.tracking_uri):
+        pass
+    [hidden] = _files(tmp_path)
+    assert hidden.startswith(".mlflow.db.") and hidden.endswith(".new")  # made, not yet the store
+
+    run_id = tracking.start_run(config, str(tmp_path / "runs" / "r"))
+
+    assert _files(tmp_path) == ["mlflow.db"]
+    client = MlflowClient(config.mlflow.tracking_uri)
+    assert client.get_run(run_id).data.tags[tracking.RUN_NAME_TAG] == "r"
+    (tmp_path / "direct").mkdir()
+    direct = MlflowClient(f"sqlite:///{tmp_path / 'direct' / 'mlflow.db'}")  # as MLflow makes one itself
+    assert client.get_experiment("0").artifact_location == direct.get_experiment("0").artifact_location
+
+
+def test_a_run_refused_while_the_store_opens_leaves_no_database(tmp_path):
+    config = _config(tmp_path)
+    with pytest.raises(RuntimeError, match="refused"), tracking.opening_store(config.mlflow.tracking_uri):
+        raise RuntimeError("refused")
+    assert _files(tmp_path) == []
+
+
+def test_a_database_another_driver_made_meanwhile_is_kept(tmp_path):
+    config = _config(tmp_path)
+    with tracking.opening_store(config.mlflow.tracking_uri):
+        pass
+    theirs = MlflowClient(config.mlflow.tracking_uri)
+    their_experiment = theirs.create_experiment("theirs")
+
+    tracking.start_run(config, str(tmp_path / "runs" / "r"))
+
+    assert _files(tmp_path) == ["mlflow.db"]
+    assert theirs.get_experiment_by_name("theirs").experiment_id == their_experiment
+
+
+def test_a_process_that_ends_before_its_run_starts_leaves_no_database(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = f"""
+import json, os
+from raytrain_ddp import tracking
+with tracking.opening_store({uri!r}):
+    pass
+print(json.dumps(os.listdir({str(tmp_path)!r})))
+"""
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 0, ended.stderr[-3000:]
+    [made] = json.loads(ended.stdout.splitlines()[-1])  # what was there before the process ended
+    assert made.startswith(".mlflow.db.")
+    assert _files(tmp_path) == []
