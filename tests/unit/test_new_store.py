@@ -18,6 +18,12 @@ from raytrain_ddp import load_config, tracking
 TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """MLflow puts a new store's Default experiment under ./mlruns: here, not in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _config(tmp_path: Path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return load_config(str(TINY), overrides=[f"mlflow.tracking_uri={uri}", "mlflow.experiment=e", "run.name=r"])
@@ -27,8 +33,7 @@ def _files(directory: Path) -> list[str]:
     return sorted(path.name for path in directory.iterdir() if path.name != "mlruns")
 
 
-def test_a_new_database_is_made_aside_and_put_in_place_when_the_run_starts(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # where MLflow puts the Default experiment's artifacts, either way
+def test_a_new_database_is_made_aside_and_put_in_place_when_the_run_starts(tmp_path):
     config = _config(tmp_path)
     with tracking.opening_store(config.mlflow.tracking_uri):
         pass
@@ -74,7 +79,7 @@ with tracking.opening_store({uri!r}):
     pass
 print(json.dumps(os.listdir({str(tmp_path)!r})))
 """
-    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    ended = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert ended.returncode == 0, ended.stderr[-3000:]
     [made] = json.loads(ended.stdout.splitlines()[-1])  # what was there before the process ended
     assert made.startswith(".mlflow.db.")
