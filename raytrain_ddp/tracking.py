@@ -190,17 +190,17 @@ def _sqlite_file(tracking_uri: str) -> Path | None:
     return Path(path) if path else None
 
 
-def _open_store(tracking_uri: str) -> None:
+def _open_store(tracking_uri: str) -> bool:
+    """The store opened (True), or not: the calls that follow say why."""
     try:
         MlflowClient(tracking_uri).search_experiments(max_results=1)
     except Exception:  # noqa: BLE001
-        pass
+        return False
+    return True
 
 
 def _new_database(path: Path) -> None:
-    try:
-        MlflowClient(f"sqlite:///{path}").search_experiments(max_results=1)
-    except Exception:  # noqa: BLE001 - the database is left to MLflow to make, where start_run says what failed
+    if not _open_store(f"sqlite:///{path}"):  # left to MLflow to make, where start_run says what failed
         path.unlink(missing_ok=True)
 
 
@@ -438,7 +438,7 @@ def promote(tracking_uri: str, name: str, version: int) -> tuple[int | None, int
     registered model, so that later versions compete with it; returns the champion's version before
     and after. Raises LookupError for a model or version that does not exist (a sqlite store that
     does not exist is not created)."""
-    if tracking_uri.startswith("sqlite:") and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+    if (database := _sqlite_file(tracking_uri)) is not None and not database.is_file():
         raise LookupError(f"no registered model '{name}' in {tracking_uri}: that store does not exist")
     client = MlflowClient(tracking_uri)
     try:
