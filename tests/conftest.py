@@ -76,7 +76,21 @@ def record():
     return lambda scenario, **figures: SCENARIOS.append({"scenario": scenario, **figures})
 
 
+FILE_SECONDS: dict[str, float] = {}  # each test file's setup, call and teardown time: where the suite's time goes
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter):
+    if FILE_SECONDS:
+        terminalreporter.section("time by file")
+        total = sum(FILE_SECONDS.values())
+        for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%}  {path}")
+        terminalreporter.write_line(f"{total:8.1f} s in all")
     if not SCENARIOS:
         return
     columns = ["scenario", "attempts", "resumed", "wasted", "checkpoints", "versions", "note"]

@@ -33,6 +33,8 @@ from raytrain_ddp import checkpoint as ckpt
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 # One worker on each 2-CPU node (1.5 CPU each, half a CPU left to Ray Data), 128 steps an epoch.
 ONE_PER_NODE = ("scaling.num_workers=2", "scaling.resources_per_worker={CPU: 1.5}", "dataset.rows=2048")
+# The lost node's run and the run it is compared with: the node dies in epoch 3, a few epochs are left after.
+EPOCHS = 6
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +81,9 @@ def _read_until(process: subprocess.Popen, pattern: str, seen: list[str], timeou
 def straight(cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
     """The final weights of the run the interrupted ones are compared with."""
     workdir = tmp_path_factory.mktemp("straight")
-    done = _train(cluster, workdir, "train.epochs=16", "run.name=straight")
+    done = _train(cluster, workdir, f"train.epochs={EPOCHS}", "run.name=straight")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return ckpt.open_verified(workdir / "runs" / "straight" / "epoch_0016").model_state()
+    return ckpt.open_verified(workdir / "runs" / "straight" / f"epoch_{EPOCHS:04d}").model_state()
 
 
 def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one(cluster, straight, tmp_path, record):
@@ -89,13 +91,13 @@ def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one
     driver = _train(
         cluster,
         tmp_path,
-        "train.epochs=16",
+        f"train.epochs={EPOCHS}",
         "run.name=lost",
         "run.max_failures=1",
         "run.resources_wait_s=300",
         popen=True,
     )
-    _read_until(driver, r"^epoch +2/16 ", seen)
+    _read_until(driver, rf"^epoch +2/{EPOCHS} ", seen)
     [(name, doomed)] = cluster.workers.items()
     killed_at = time.monotonic()
     assert cluster.kill_node(name)
@@ -104,7 +106,7 @@ def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one
     waiting = _read_until(driver, r"^waiting for resources .*$", seen)
     cluster.add_node("spare")
     _read_until(driver, r"^resources found after \d+ s", seen)
-    resumed = _read_until(driver, r"^epoch +(\d)/16 ", seen)
+    resumed = _read_until(driver, rf"^epoch +(\d)/{EPOCHS} ", seen)
     resumed_s = time.monotonic() - killed_at
     out = "".join(seen) + driver.communicate(timeout=300)[0]
 
@@ -115,7 +117,7 @@ def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one
     assert "2 workers × {CPU: 1.5}; the cluster has 1 node(s) alive, CPU 2 free of 2" in waiting.group(0)
     # Training goes on from the checkpoint (reported again first, if Ray had not recorded it), not epoch 1.
     assert int(resumed.group(1)) >= int(restarted[-4:])
-    final = ckpt.open_verified(tmp_path / "runs" / "lost" / "epoch_0016").model_state()
+    final = ckpt.open_verified(tmp_path / "runs" / "lost" / f"epoch_{EPOCHS:04d}").model_state()
     torch.testing.assert_close(final, straight, rtol=0, atol=0)
     [version] = MlflowClient(f"sqlite:///{tmp_path / 'lost'}.db").search_model_versions("name = 'tiny'")
     record(
