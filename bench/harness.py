@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, help="DDP workers (default: 2 on CPU, every GPU with --gpu)")
     parser.add_argument("--out", default=str(BENCH / "results"), help="where the JSON and Markdown go")
     parser.add_argument("--name", help="results file name (default: the machine's)")
+    parser.add_argument(
+        "--no-dashboard", action="store_true", help="the warm sides' Ray (`ray start --head`) without its dashboard"
+    )
     parser.add_argument("--table", metavar="JSON", help="only print (and rewrite) the Markdown table of a results file")
     args = parser.parse_args(argv)
     if args.table:
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"scaling.num_workers={workers}", *_device_overrides(args.gpu, workers), *args.overrides]
     config = _config(args.config, overrides)
     work = Path(tempfile.mkdtemp(prefix="rtb-"))  # short: Ray's socket paths live under it
-    bench = Bench(work, config, overrides, args.config, workers)
+    bench = Bench(work, config, overrides, args.config, workers, dashboard=not args.no_dashboard)
     print(f"benchmark: {bench.describe()}; work directory {work}", flush=True)
 
     runs: list[Run] = []
@@ -165,8 +168,11 @@ def _config(layer: str | None, overrides: list[str]) -> dict:
 
 
 class Bench:
-    def __init__(self, work: Path, config: dict, overrides: list[str], layer: str | None, workers: int):
+    def __init__(
+        self, work: Path, config: dict, overrides: list[str], layer: str | None, workers: int, dashboard: bool = True
+    ):
         self.work, self.config, self.overrides, self.layer, self.workers = work, config, overrides, layer, workers
+        self.dashboard = dashboard  # the warm sides' Ray has one, as `ray start --head` does by default
         self.address: str | None = None
         d, t = config["dataset"], config["train"]
         rows = len(workload.rank_rows(d["rows"], d["block_rows"], 0, workers))
@@ -208,7 +214,8 @@ class Bench:
         return counted.per_sample
 
     def describe(self) -> str:
-        return describe(self.config, self.workers, self.batches_per_epoch)
+        warm = "" if self.dashboard else ", warm Ray without its dashboard"
+        return describe(self.config, self.workers, self.batches_per_epoch) + warm
 
     def run(self, side: str, round_: int) -> Run:
         directory = self.work / f"{round_}-{side.replace(chr(39), 'p')}"
@@ -345,6 +352,8 @@ class RayCluster:
             f"--temp-dir={b.work / 'ray'}",
             "--disable-usage-stats",
         ]
+        if not b.dashboard:
+            command.append("--include-dashboard=false")
         if b.config["scaling"].get("use_gpu"):
             command.append(f"--num-gpus={b.workers}")
         self.log = open(b.work / "ray-head.txt", "a")
