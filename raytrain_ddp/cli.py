@@ -128,7 +128,7 @@ def _train(args: argparse.Namespace) -> int:
     timeline.launch()
     timeline.mark("config")
     from raytrain_ddp import session
-    from raytrain_ddp.driver import run  # torch, Ray, MLflow: only to train
+    from raytrain_ddp.driver import run  # torch and Ray, only to train (MLflow comes while Ray starts)
     from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
     from raytrain_ddp.lease import RunBusy
 

@@ -5,6 +5,10 @@ The driver's only module that imports mlflow, and the driver the only process th
 each report's metrics as the report reaches it (`MetricsLog`), and registers the best checkpoint's
 model after training, moving the model's `champion` alias as champion.py's rule says
 (`converge_champion`; `promote` by hand).
+
+mlflow is imported where it is first used, not with this module: the command imports the driver's
+modules before Ray starts, and mlflow (1.5 s of imports on 2 cores) comes in on `opening_store`'s
+thread instead, while Ray starts and the driver waits for it.
 """
 
 from __future__ import annotations
@@ -20,19 +24,18 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import mlflow
 import numpy as np
 import torch
-from mlflow.entities import Metric, Param, RunStatus
-from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
-from mlflow.tracking import MlflowClient
 
 from raytrain_ddp import champion
 from raytrain_ddp.config import Config
 from raytrain_ddp.metrics import GENERATED, STOPPED_EARLY
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "raytrain_ddp.run_name"
@@ -90,6 +93,7 @@ def check_server(tracking_uri: str, connect_timeout_s: float = 3.0, answer_timeo
     busy server's first call can be slow. Returns the problem, or None; never shows credentials."""
     if not is_server(tracking_uri):
         return None
+    from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
@@ -190,10 +194,16 @@ def _sqlite_file(tracking_uri: str) -> Path | None:
     return Path(path) if path else None
 
 
+def _client(tracking_uri: str) -> MlflowClient:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri)
+
+
 def _open_store(tracking_uri: str) -> bool:
     """The store opened (True), or not: the calls that follow say why."""
     try:
-        MlflowClient(tracking_uri).search_experiments(max_results=1)
+        _client(tracking_uri).search_experiments(max_results=1)
     except Exception:  # noqa: BLE001
         return False
     return True
@@ -232,8 +242,10 @@ def start_run(config: Config, run_path: str, extra_params: Mapping[str, str] | N
     the run resumes. Params are the flattened config and `extra_params` (what the run found out before
     training: the model's FLOPs); a value changed on resume (train.epochs, say: see preflight.RESUMABLE)
     is kept as a tag, since MLflow params cannot change."""
+    from mlflow.entities import Param, RunStatus
+
     _put_new_database_in_place(config.mlflow.tracking_uri)
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = _client(config.mlflow.tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
     name, path = config.run.name, run_path
@@ -263,7 +275,7 @@ def find_run(config: Config, run_path: str) -> str | None:
     uri = config.mlflow.tracking_uri
     if (database := _sqlite_file(uri)) is not None and not database.is_file():
         return None
-    client = MlflowClient(uri)
+    client = _client(uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
     if experiment is None:
         return None
@@ -290,7 +302,7 @@ class MetricsLog:
     metrics.json keeps the numbers."""
 
     def __init__(self, tracking_uri: str, run_id: str):
-        self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self.client, self.run_id = _client(tracking_uri), run_id
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
 
     def __enter__(self) -> MetricsLog:
@@ -300,6 +312,8 @@ class MetricsLog:
         self._thread.shutdown(wait=True)
 
     def add(self, reported: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
         now, step = int(time.time() * 1000), int(reported["step"])
         batch = [Metric(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
         self._thread.submit(self._log, step, batch, reported.get(GENERATED), reported.get(STOPPED_EARLY))
@@ -317,7 +331,7 @@ class MetricsLog:
 
 
 def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:
-    MlflowClient(config.mlflow.tracking_uri).set_terminated(run_id, status)
+    _client(config.mlflow.tracking_uri).set_terminated(run_id, status)
 
 
 def end_failed_run(config: Config, run_id: str, status: Literal["FAILED", "KILLED"]) -> None:
@@ -341,7 +355,10 @@ def register_model(
     its score and `lineage` (what it was made of); then move `champion` as the registry now says
     (`converge_champion`) and write on the version how it fared. Callers first ask
     `registered_version`: registering a checkpoint twice returns its version."""
-    client = MlflowClient(config.mlflow.tracking_uri)
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = _client(config.mlflow.tracking_uri)
     name = config.mlflow.model_name
     # Inside: registering a `models:/m-...` source resolves it through MLflow's global tracking URI.
     with _active_run(config.mlflow.tracking_uri, run_id):
@@ -414,6 +431,8 @@ def converge_champion(client: MlflowClient, name: str, rounds: int = 10) -> Regi
     process that made it reads after both, so it reads the final registry and the final alias, and it
     would have written again (a later write) had they disagreed. So the alias ends where the rule
     says for the final registry, whatever the order."""
+    from mlflow.exceptions import MlflowException
+
     refused = None
     for attempt in range(rounds):
         registry = read_registry(client, name)
@@ -440,7 +459,9 @@ def promote(tracking_uri: str, name: str, version: int) -> tuple[int | None, int
     does not exist is not created)."""
     if (database := _sqlite_file(tracking_uri)) is not None and not database.is_file():
         raise LookupError(f"no registered model '{name}' in {tracking_uri}: that store does not exist")
-    client = MlflowClient(tracking_uri)
+    from mlflow.exceptions import MlflowException
+
+    client = _client(tracking_uri)
     try:
         registry = read_registry(client, name)
     except MlflowException as e:
@@ -458,7 +479,7 @@ def promote(tracking_uri: str, name: str, version: int) -> tuple[int | None, int
 def registered_version(config: Config, run_id: str, checkpoint_path: str) -> RegisteredModel | None:
     """The version this run already registered for this checkpoint, if any."""
     name = config.mlflow.model_name
-    for version in MlflowClient(config.mlflow.tracking_uri).search_model_versions(
+    for version in _client(config.mlflow.tracking_uri).search_model_versions(
         f"name = '{name}' and run_id = '{run_id}'"
     ):
         if version.tags.get(CHECKPOINT_TAG) == checkpoint_path:
@@ -470,7 +491,7 @@ def latest_version(config: Config) -> RegisteredModel | None:
     """The newest version of `mlflow.model_name` (the highest number), with its score; None if the
     model has no version (or does not exist)."""
     name = config.mlflow.model_name
-    found = MlflowClient(config.mlflow.tracking_uri).search_model_versions(
+    found = _client(config.mlflow.tracking_uri).search_model_versions(
         f"name = '{name}'", max_results=1, order_by=["version_number DESC"]
     )
     return _registered(found[0]) if found else None
@@ -525,6 +546,9 @@ def yield_the_cpu() -> None:
 
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:
     """The default: an MLflow PyTorch model (an exported program) with a signature and input example."""
+    import mlflow.pytorch
+    from mlflow.models import infer_signature
+
     if _preparing is not None:  # torch.export keeps global state while it traces: one export at a time
         _preparing.join()
     with torch.no_grad():
@@ -540,7 +564,7 @@ def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name
 
 def log_texts(config: Config, run_id: str, texts: dict[str, str]) -> None:
     """The recipe's artifacts (a generated sample, say), as text files of the run."""
-    client = MlflowClient(config.mlflow.tracking_uri)
+    client = _client(config.mlflow.tracking_uri)
     for file_name, text in texts.items():
         client.log_text(run_id, text, file_name)
 
@@ -551,6 +575,8 @@ def _active_run(tracking_uri: str, run_id: str) -> Iterator[None]:
     them for the call, then put back the caller's (a notebook may have its own run open). MLflow keeps
     its global URI in $MLFLOW_TRACKING_URI too: put back as it was, unset if it was (restoring the
     resolved default instead would pin every later run of the process to this directory's mlflow.db)."""
+    import mlflow
+
     previous = os.environ.get("MLFLOW_TRACKING_URI")  # set with the global by mlflow.set_tracking_uri
     mlflow.set_tracking_uri(tracking_uri)
     try:

@@ -84,3 +84,22 @@ print(json.dumps(os.listdir({str(tmp_path)!r})))
     [made] = json.loads(ended.stdout.splitlines()[-1])  # what was there before the process ended
     assert made.startswith(".mlflow.db.")
     assert _files(tmp_path) == []
+
+
+def test_mlflow_comes_in_on_the_stores_thread_not_with_the_drivers_modules(tmp_path):
+    """The command imports the driver's modules before Ray starts; mlflow (1.5 s of imports on 2 cores)
+    is left to opening_store's thread, which runs while Ray starts, for a new store or an existing one."""
+    MlflowClient(f"sqlite:///{tmp_path / 'existing.db'}").search_experiments()
+    for name in ("new.db", "existing.db"):
+        script = f"""
+import json, sys
+import raytrain_ddp.cli, raytrain_ddp.driver
+from raytrain_ddp import tracking
+before = "mlflow" in sys.modules
+with tracking.opening_store("sqlite:///{tmp_path / name}"):
+    pass
+print(json.dumps([before, "mlflow.tracking" in sys.modules]))
+"""
+        ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert json.loads(ran.stdout.splitlines()[-1]) == [False, True], name
