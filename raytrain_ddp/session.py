@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterator
 
 import ray
@@ -27,6 +28,7 @@ PLACEMENT_WAIT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # the placement g
 # A healthy placement takes well under a second; an elastic run never waits for a node to come (it
 # starts on those alive, then grows), only for Ray's count of the cluster to catch up.
 ELASTIC_PLACEMENT_WAIT_S = 15
+MLFLOW_LOG_LEVEL_ENV = "MLFLOW_LOGGING_LEVEL"  # read by mlflow as it is imported
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 # MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
@@ -98,9 +100,15 @@ def connect(address: RayAddress, verbose: bool) -> None:
 
 
 def quiet_logs(verbose: bool) -> None:
-    """Ray Data's, MLflow's and its migrations' INFO lines on the console only `verbose`."""
+    """Ray Data's, MLflow's and its migrations' INFO lines on the console only `verbose`. mlflow sets
+    its loggers' levels as it is imported, from MLFLOW_LOGGING_LEVEL (INFO by default), and it is
+    imported later (tracking.py: on a thread while Ray starts): the variable says the same, unless the
+    environment sets it."""
+    level = logging.INFO if verbose else logging.ERROR
     for noisy in ("ray.data", "mlflow", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.ERROR)
+        logging.getLogger(noisy).setLevel(level)
+    if "mlflow" not in sys.modules:
+        os.environ.setdefault(MLFLOW_LOG_LEVEL_ENV, logging.getLevelName(level))
 
 
 def fit_environment(controller_poll_s: float, elastic: bool) -> dict[str, str]:

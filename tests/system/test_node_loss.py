@@ -33,7 +33,7 @@ from raytrain_ddp import checkpoint as ckpt
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 # One worker on each 2-CPU node (1.5 CPU each, half a CPU left to Ray Data), 128 steps an epoch.
 ONE_PER_NODE = ("scaling.num_workers=2", "scaling.resources_per_worker={CPU: 1.5}", "dataset.rows=2048")
-# The lost node's run and the run it is compared with: the node dies in epoch 3, a few epochs are left after.
+# The lost node's run and the run it compares with: its node is killed once epoch 2 is shown, 4 before the end.
 EPOCHS = 6
 
 
