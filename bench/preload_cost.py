@@ -1,6 +1,7 @@
 """What the driver's preparation for registration costs a DDP run on the same cores, by how the
-preparing thread is scheduled (`tracking.prepare_model_logging`: torch.export's imports and one small
-export, 3-4 CPU-seconds on a small machine, while the last epoch trains):
+preparing thread is scheduled (`tracking.prepare_model_logging`: a one-layer model logged to a
+temporary directory, which loads torch.export and MLflow's model logging, 3-4 CPU-seconds on a small
+machine, while the last epoch trains):
 
     .venv/bin/python bench/preload_cost.py [--rounds 2] [--policies normal,nice,idle]
 
@@ -27,7 +28,7 @@ BIN = Path(sys.executable).parent
 
 PREPARE = """
 import os, sys, threading, time
-import torch
+import mlflow, torch  # as in the driver by then
 from raytrain_ddp import tracking
 policy = sys.argv[1]
 print("ready", flush=True)
@@ -37,7 +38,7 @@ if policy == "nice":
 elif policy == "idle":
     tracking.yield_the_cpu()
 started = time.time()
-torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
+tracking.rehearse_model_logging()
 print(started, time.time(), flush=True)
 """
 

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -515,22 +516,37 @@ _preparing: threading.Thread | None = None  # prepare_model_logging's thread, on
 
 
 def prepare_model_logging() -> None:
-    """Load, on a thread, what `log_pytorch_model` takes: torch.export brings in torch's compiler stack
-    (2-3 s of imports on a small machine), which the driver would otherwise wait for after training.
-    Started while the last epoch trains, when the driver has nothing else to do, at the lowest CPU
-    priority (`yield_the_cpu`): on cores the workers share, it still slows their steps while it runs
-    (bench/README.md says how much)."""
+    """Do, on a thread, the one-time work of `log_pytorch_model` (`rehearse_model_logging`), which the
+    driver would otherwise wait for after training. Started while the last epoch trains, when the
+    driver has nothing else to do, at the lowest CPU priority (`yield_the_cpu`): on cores the workers
+    share, it still slows their steps while it runs (bench/README.md says how much)."""
     global _preparing
 
-    def export_once() -> None:
+    def prepare() -> None:
         yield_the_cpu()
         try:
-            torch.export.export(torch.nn.Linear(1, 1), (torch.zeros(1, 1),))
+            rehearse_model_logging()
         except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
             logger.debug("preparing model logging: %s", e)
 
-    _preparing = threading.Thread(target=export_once, name="prepare-model-logging", daemon=True)
+    _preparing = threading.Thread(target=prepare, name="prepare-model-logging", daemon=True)
     _preparing.start()
+
+
+def rehearse_model_logging() -> None:
+    """Log a one-layer model as `log_pytorch_model` does, to a temporary directory instead of the run,
+    and resolve the tags MLflow gives a logged model: what is done once per process is then done. That
+    is torch.export's compiler stack (2-3 s of imports on a small machine), MLflow's model flavors,
+    its check of the pip requirements against the installed packages (it maps every installed
+    package's modules: 0.6 s), and its context tags (git's commit through GitPython, whether this is
+    a notebook through IPython)."""
+    import mlflow.pytorch
+    from mlflow.tracking.context.registry import resolve_tags
+
+    example = np.zeros((1, 1), dtype=np.float32)
+    with tempfile.TemporaryDirectory() as directory:
+        mlflow.pytorch.save_model(torch.nn.Linear(1, 1), f"{directory}/model", **_model_files(example, example))
+    resolve_tags()
 
 
 def yield_the_cpu() -> None:
@@ -547,19 +563,23 @@ def yield_the_cpu() -> None:
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:
     """The default: an MLflow PyTorch model (an exported program) with a signature and input example."""
     import mlflow.pytorch
-    from mlflow.models import infer_signature
 
     if _preparing is not None:  # torch.export keeps global state while it traces: one export at a time
         _preparing.join()
     with torch.no_grad():
         output = model(torch.from_numpy(input_example)).numpy()
-    return mlflow.pytorch.log_model(
-        model,
-        name=name,
-        signature=infer_signature(input_example, output),
-        input_example=input_example,
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-    )
+    return mlflow.pytorch.log_model(model, name=name, **_model_files(input_example, output))
+
+
+def _model_files(input_example: np.ndarray, output: np.ndarray) -> dict[str, Any]:
+    """What a logged PyTorch model is saved with beside its weights: signature, input example, requirements."""
+    from mlflow.models import infer_signature
+
+    return {
+        "signature": infer_signature(input_example, output),
+        "input_example": input_example,
+        "pip_requirements": [f"torch=={torch.__version__.split('+')[0]}"],
+    }
 
 
 def log_texts(config: Config, run_id: str, texts: dict[str, str]) -> None:
