@@ -543,7 +543,7 @@ def rehearse_model_logging() -> None:
     import mlflow.pytorch
     from mlflow.tracking.context.registry import resolve_tags
 
-    example = np.zeros((1, 1), dtype=np.float32)
+    example = np.zeros((2, 1), dtype=np.float32)  # 2 rows, as the registration's: a batch of 1 would specialize
     with tempfile.TemporaryDirectory() as directory:
         mlflow.pytorch.save_model(torch.nn.Linear(1, 1), f"{directory}/model", **_model_files(example, example))
     resolve_tags()
