@@ -162,9 +162,9 @@ def _leave_ray() -> None:
     """Leave Ray (and stop the local one this command started) now, rather than in the interpreter's
     exit: with torch and MLflow loaded, Ray's exit hook and the interpreter's teardown take a second
     longer."""
-    import ray
+    from raytrain_ddp import session
 
-    ray.shutdown()
+    session.leave()
 
 
 def _register(args: argparse.Namespace) -> int:

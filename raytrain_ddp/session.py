@@ -99,6 +99,18 @@ def connect(address: RayAddress, verbose: bool) -> None:
     context.print_on_execution_start = verbose
 
 
+def leave() -> None:
+    """Leave Ray, stopping the local one this process started. Its autoscaler monitor is killed first,
+    at once: asked to stop, it first reports its own death to the Ray it belongs to, and with Ray's
+    other processes going down that report waits out the second Ray's shutdown allows it (1.0 of the
+    1.4 s the shutdown takes, measured). It holds nothing that its end could lose."""
+    node = ray._private.worker._global_node  # this process's Ray: its processes, if it started them
+    if node is not None:
+        with contextlib.suppress(Exception):
+            node.kill_monitor(check_alive=False)
+    ray.shutdown()
+
+
 def quiet_logs(verbose: bool) -> None:
     """Ray Data's, MLflow's and its migrations' INFO lines on the console only `verbose`. mlflow sets
     its loggers' levels as it is imported, from MLFLOW_LOGGING_LEVEL (INFO by default), and it is

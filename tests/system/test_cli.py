@@ -76,7 +76,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
         "train",
         TINY,
         "dataset.rows=2048",
-        "train.epochs=20",
+        "train.epochs=14",  # A is still training when B, started at its epoch 2, is refused (11-16 s)
         "run.name=shared",
         f"model.fault_log={passes}",
     ]
@@ -92,7 +92,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
         start_new_session=True,
     )
     _read_until(a, rf"new run \(no checkpoint of a run shared in {re.escape(str(tmp_path))}/runs\)")
-    _read_until(a, r"^epoch +2/20 ")
+    _read_until(a, r"^epoch +2/14 ")
 
     started = time.monotonic()
     b = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -118,11 +118,13 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
     c = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     resumed = _read_until(c, r"resuming from (epoch_\d{4}) \(epoch [\d.]+, step (\d+)\)")
     assert resumed.group(1) == latest_of_a.name  # the stale lease of the dead driver was taken over
-    _read_until(c, r"^epoch +\d+/20 ")
+    _read_until(c, r"^epoch +\d+/14 ")
+    c_ray = psutil.Process(c.pid).children(recursive=True)  # its local Ray: GCS, raylet, monitor, workers
     c.send_signal(signal.SIGTERM)
     _, err = c.communicate(timeout=300)
 
     assert c.returncode == 143, err[-3000:]
+    assert not _still_running(c_ray, wait_s=5), "the command stops the local Ray it started as it leaves"
     assert re.search(r"^interrupted: run shared was interrupted \(SIGTERM\)$", err, re.M), err[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     [stopped] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
@@ -136,7 +138,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
             "run.name=shared",
             f"model.fault_log={passes}",
             "dataset.rows=2048",
-            "train.epochs=20",
+            "train.epochs=14",
         ]
     )  # what differs from the job's YAML
 
