@@ -10,6 +10,7 @@ import importlib.util
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,28 @@ def record():
 
 
 FILE_SECONDS: dict[str, float] = {}  # each test file's setup, call and teardown time: where the suite's time goes
+# Each test's wall time and the machine's CPU time over it (/proc/stat, every process's, the test's own
+# Ray and servers included): a test whose cores sit idle waits (a timeout, a poll, a server), and
+# waiting is cut differently from work.
+TEST_CPU: dict[str, tuple[float, float]] = {}
+
+
+def _cpu_seconds() -> float | None:
+    """The machine's busy CPU time so far, all cores (Linux; None elsewhere)."""
+    try:
+        with open("/proc/stat") as stat:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    started, busy = time.monotonic(), _cpu_seconds()
+    yield
+    if busy is not None:
+        TEST_CPU[item.nodeid] = (time.monotonic() - started, _cpu_seconds() - busy)
 
 
 def pytest_runtest_logreport(report):
@@ -87,10 +110,23 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if FILE_SECONDS:
         terminalreporter.section("time by file")
-        total = sum(FILE_SECONDS.values())
+        total, cores = sum(FILE_SECONDS.values()), os.cpu_count() or 1
+        busy = {}
+        for nodeid, (_, cpu) in TEST_CPU.items():
+            path = nodeid.split("::", 1)[0]
+            busy[path] = busy.get(path, 0.0) + cpu
         for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
-            terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%}  {path}")
+            used = f"  cores {busy[path] / (seconds * cores):4.0%} busy" if path in busy and seconds > 1 else ""
+            terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%}{used}  {path}")
         terminalreporter.write_line(f"{total:8.1f} s in all")
+    if TEST_CPU:
+        terminalreporter.section("time the cores sat idle, by test")
+        cores = os.cpu_count() or 1
+        idle = {nodeid: wall - cpu / cores for nodeid, (wall, cpu) in TEST_CPU.items()}
+        for nodeid, seconds in sorted(idle.items(), key=lambda item: -item[1])[:15]:
+            wall = TEST_CPU[nodeid][0]
+            terminalreporter.write_line(f"{seconds:8.1f} s idle of {wall:6.1f} s  {nodeid}")
+        terminalreporter.write_line(f"{sum(idle.values()):8.1f} s idle in all, {cores} cores")
     if not SCENARIOS:
         return
     columns = ["scenario", "attempts", "resumed", "wasted", "checkpoints", "versions", "note"]
