@@ -175,7 +175,7 @@ class Bench:
         self.dashboard = dashboard  # the warm sides' Ray has one, as `ray start --head` does by default
         self.address: str | None = None
         d, t = config["dataset"], config["train"]
-        rows = len(workload.rank_rows(d["rows"], d["block_rows"], 0, workers))
+        rows = len(workload.rank_rows(d["rows"], 0, workers))
         self.batches_per_epoch = math.ceil(rows / t["batch_size"])
 
     @property

@@ -61,7 +61,7 @@ def main() -> None:
 
     dataset = config["dataset"]
     rows = recipe.build_datasets(seed=config["seed"], **{**dataset, "source": "torch"})["train"]
-    mine = recipe.rank_rows(dataset["rows"], dataset["block_rows"], rank, world).tolist()
+    mine = recipe.rank_rows(dataset["rows"], rank, world).tolist()
     loader = DataLoader(rows, batch_size=train["batch_size"], sampler=mine, pin_memory=cuda)
     batches = math.ceil(len(mine) / train["batch_size"])
 

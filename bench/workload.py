@@ -14,9 +14,9 @@ functions. `model.trace` names a directory where every forward pass appends its 
 `rank<R>-<pid>.txt`: the same probe on both sides, from which `harness.py` reads step times, time to
 first step and teardown.
 
-Both sides give rank r the blocks r, r + world, r + 2 world, ... of `block_rows` rows, in order: how
-Ray Data's `streaming_split(equal=True)` deals equal blocks out (with the row order preserved), and
-what makes A and B train on the same batches, step for step.
+Both sides give rank r rows [r n, (r + 1) n), n = rows // world, in order: the share raytrain_ddp
+gives a rank of a materialized Ray Dataset's blocks read in order (`train.shuffle: false`), and what
+makes A and B train on the same batches, step for step.
 """
 
 from __future__ import annotations
@@ -170,11 +170,11 @@ def make_data(
     return {"image": images, "label": (images.reshape(rows, -1) @ teacher).argmax(axis=1).astype(np.int64)}
 
 
-def rank_rows(rows: int, block_rows: int, rank: int, world: int) -> np.ndarray:
-    """The row indices rank `rank` trains on, in order: its blocks, as Ray Data's split deals them."""
-    blocks = np.arange(rows - rows % block_rows).reshape(-1, block_rows)
-    usable = len(blocks) - len(blocks) % world  # the same number of blocks each
-    return blocks[rank:usable:world].reshape(-1)
+def rank_rows(rows: int, rank: int, world: int) -> np.ndarray:
+    """The row indices rank `rank` trains on, in order: its share, as raytrain_ddp's in-memory path
+    (`stream.share`) gives it when nothing is shuffled."""
+    n = rows // world
+    return np.arange(rank * n, (rank + 1) * n)
 
 
 class Rows(torch.utils.data.Dataset):

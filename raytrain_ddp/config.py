@@ -62,7 +62,9 @@ class TrainSettings(_Section):
     drop_last: bool = Field(False, description="drop each worker's last incomplete batch of an epoch")
     shuffle: bool = Field(True, description="reshuffle the training rows every epoch, seeded by (seed, epoch)")
     local_shuffle_buffer_size: int = Field(
-        10_000, ge=1, description="Ray Data path: rows in each worker's shuffle buffer (torch Datasets shuffle fully)"
+        10_000,
+        ge=1,
+        description="Ray Datasets, streams: rows of a worker's share shuffled together (torch Datasets: fully)",
     )
     num_loader_workers: int = Field(
         0, ge=0, description="torch Dataset path: DataLoader worker processes per training worker; 0 = load in the loop"

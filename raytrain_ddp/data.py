@@ -2,13 +2,22 @@
 turns its share into torch batches. A recipe returns Ray Datasets, torch Datasets, or streams of files
 (`raytrain_ddp.stream`: read while training goes, never materialized; that module says how).
 
-Ray Datasets (the usual way; read and preprocessed by Ray Data, streamed to the workers):
-- `train` is split across the workers (`streaming_split(equal=True)`: the same number of rows each, up
-  to world_size - 1 rows dropped an epoch). Its order is a function of (seed, epoch): `preserve_order`
-  makes the split deterministic and each worker reshuffles its shard with a seed drawn from
-  (seed, epoch, rank), so a resumed run sees exactly the batches an uninterrupted one would.
-- `val` is not split: every worker reads all of it in the same order and evaluates only the batches
-  `i` with `i % world_size == rank`, so each row is counted exactly once across ranks.
+Ray Datasets (the usual way; read and preprocessed by Ray Data):
+- materialized (as the shipped jobs leave them): their blocks are already in the object store, so
+  each rank reads its share of them itself (`stream.Blocks`), planned as a stream's files are: the
+  blocks in an order seeded by (seed, epoch), rank r trains rows [r*n, (r+1)*n) of that sequence
+  (n = rows // world_size: up to world_size - 1 rows dropped an epoch), shuffled in windows of
+  `train.local_shuffle_buffer_size` rows seeded by (seed, epoch, rank, window); a resumed epoch starts
+  at the window of its first untrained batch, and trains the batches an uninterrupted one would.
+  `val` in contiguous ranges, each row counted once. No Ray Data execution, no split coordinator, no
+  dataset manager: the processes those start cost a run's start seconds on a small machine.
+- lazy (a pipeline still to run): Ray Train's Ray Data path. `train` is split across the workers
+  (`streaming_split(equal=True)`: the same number of rows each, up to world_size - 1 rows dropped an
+  epoch). Its order is a function of (seed, epoch): `preserve_order` makes the split deterministic and
+  each worker reshuffles its shard with a seed drawn from (seed, epoch, rank), so a resumed run sees
+  exactly the batches an uninterrupted one would. `val` is not split: every worker reads all of it in
+  the same order and evaluates only the batches `i` with `i % world_size == rank`, so each row is
+  counted exactly once across ranks.
 
 torch Datasets (map-style, shipped to each worker with the loop): `train` goes through a
 DistributedSampler seeded by (seed), reshuffled per epoch with `set_epoch`, dropping the same tail
@@ -32,8 +41,6 @@ import ray.data
 import ray.train
 import ray.train.torch
 import torch
-from ray.data.block import BlockAccessor
-from ray.data.dataset import MaterializedDataset
 from ray.train import DataConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
@@ -98,6 +105,17 @@ def listed(datasets: Mapping[str, Any]) -> dict[str, str]:
         return {}
     found = {f"data.{name}_files": str(len(s.manifest.files)) for name, s in datasets.items()}
     return found | {"data.skipped_files": str(sum(len(s.manifest.skipped) for s in datasets.values()))}
+
+
+def shipped(datasets: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What travels to the workers with the loop: torch Datasets and streams as they are, materialized
+    Ray Datasets as their blocks in the object store (`stream.Blocks`: each rank reads its share itself).
+    None where Ray Train's Ray Data path reads them (a lazy Ray Dataset: its pipeline runs as training
+    goes)."""
+    if not is_ray(datasets):
+        return dict(datasets)
+    blocks = {name: stream.Blocks.of(dataset) for name, dataset in datasets.items()}
+    return None if None in blocks.values() else blocks
 
 
 def num_rows(dataset: ray.data.Dataset | Dataset | stream.Stream) -> int:
@@ -167,20 +185,13 @@ def _update(digest: Any, value: Any) -> None:
 
 
 def _first_rows(dataset: ray.data.Dataset, n: int) -> dict[str, np.ndarray] | None:
-    """A materialized dataset's first `n` rows, read from its first block in the object store: no
+    """A materialized dataset's first `n` rows, read from its blocks in the object store: no
     execution, which would cost the driver seconds (Ray Data's first one starts its executor and
-    stats actor) before anything else can start. None where that cannot answer (a lazy dataset,
-    a first block of fewer rows)."""
-    if not isinstance(dataset, MaterializedDataset):
+    stats actor) before anything else can start. None where that cannot answer (a lazy dataset)."""
+    blocks = stream.Blocks.of(dataset)
+    if blocks is None or blocks.manifest.total < n:
         return None
-    try:
-        first = next(iter(dataset.iter_internal_ref_bundles())).blocks[0]
-        block = BlockAccessor.for_block(ray.get(first.ref))
-        if block.num_rows() < n:
-            return None
-        return BlockAccessor.for_block(block.slice(0, n, copy=True)).to_batch_format("numpy")
-    except Exception:  # noqa: BLE001 - Ray Data's internals changed: execute instead
-        return None
+    return blocks.example(n, seed=0)
 
 
 def dataset_config() -> DataConfig:
@@ -246,6 +257,11 @@ class WorkerData:
             }
         else:
             self.loaders = self._loaders(shipped)
+
+    @property
+    def reads_files(self) -> bool:
+        """Whether this rank's rows come from files (a stream's), some perhaps unreadable."""
+        return self.streams is not None and self.streams["train"].stream.read_in_tasks
 
     @property
     def train_shard(self) -> ray.data.DataIterator:

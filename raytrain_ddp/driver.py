@@ -184,7 +184,7 @@ class _Trainer(TorchTrainer):
     """Ray's TorchTrainer without two helper processes its runs would start and not need: the
     placement-group cleaner (a detached actor that removes the workers' placement group if the
     controller dies: the driver does that, `capacity.release`), and the dataset manager of a run
-    without Ray Datasets (streams and torch Datasets travel with the loop)."""
+    that gives it no Ray Dataset (what `data.shipped` sends travels with the loop)."""
 
     def _create_default_callbacks(self) -> list:
         unneeded = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
@@ -192,7 +192,7 @@ class _Trainer(TorchTrainer):
 
 
 def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:
-    config, ray_data = plan.config, data.is_ray(plan.datasets)
+    config, shipped = plan.config, data.shipped(plan.datasets)
     loop_config = {
         "config": config.to_dict(),
         "recipe": plan.recipe,
@@ -200,7 +200,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
         "train_rows": plan.train_rows,  # each worker's share, on as many workers as the attempt has
         "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
         "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
-        "shipped_datasets": None if ray_data else plan.datasets,  # torch Datasets or streams, with the loop
+        "shipped_datasets": shipped,  # torch Datasets, streams, a materialized Ray Dataset's blocks
         "progress": progress.queue,  # where rank 0 sends its live progress (run.progress_s)
     }
     return _Trainer(
@@ -228,7 +228,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
             failure_config=FailureConfig(max_failures=config.run.max_failures),
             callbacks=[progress.relay, progress.marks],
         ),
-        datasets=plan.datasets if ray_data else None,
+        datasets=plan.datasets if shipped is None else None,  # lazy Ray Datasets: Ray Train's Ray Data path
         dataset_config=data.dataset_config(),
     )
 

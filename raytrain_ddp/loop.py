@@ -304,7 +304,7 @@ def evaluate_and_checkpoint(
         if recipe.generate_samples is not None and worker.rank == 0:  # rank 0's report is the one logged
             metrics[GENERATED] = _generate(model, recipe, worker.example, worker.data.device)
         bad_files = None
-        if worker.data.streams is not None:
+        if worker.data.reads_files:
             read, bad_files = _stream_read(worker)
             metrics |= {"data_rows_read": read, "data_bad_files": len(bad_files)}
         problem = _stop_reason(metrics, config.checkpoint.score_attribute) or _too_many_bad(bad_files, config)

@@ -65,7 +65,10 @@ def test_two_workers_of_batch_8_train_the_same_weights_as_one_worker_of_batch_16
 
 
 def test_accumulating_2_micro_batches_of_4_on_2_workers_equals_one_step_of_16(one_worker_batch_16, workspace):
-    accumulated = _final_weights(workspace, *ONE_STEP_AN_EPOCH, "train.batch_size=4", "train.grad_accum_steps=2")
+    # Read through Ray Train's Ray Data path (a lazy dataset): the same rows make the same step.
+    accumulated = _final_weights(
+        workspace, *ONE_STEP_AN_EPOCH, "train.batch_size=4", "train.grad_accum_steps=2", "dataset.source=lazy-ray"
+    )
 
     torch.testing.assert_close(accumulated, one_worker_batch_16, rtol=1e-5, atol=1e-6)
 
@@ -154,6 +157,20 @@ def _probe(loop_config: dict) -> None:
     }
     seen["torch_path"] = all_gather(mine)
 
+    # A materialized Ray Dataset's blocks (of uneven sizes), read by each rank itself.
+    blocks = data.WorkerData(
+        loop_config["blocks"], TrainSettings(batch_size=4, local_shuffle_buffer_size=8), DataSettings(), seed=7
+    )
+    mine = {
+        "epoch0": rows(blocks.train_batches(0)),
+        "epoch0_from_batch_1": rows(blocks.train_batches(0, first=1)),
+        "epoch1": rows(blocks.train_batches(1)),
+        "epoch0_again": rows(blocks.train_batches(0)),
+        "val": rows(blocks.val_batches()),
+        "reads_files": blocks.reads_files,
+    }
+    seen["blocks_path"] = all_gather(mine)
+
     # chat_sft's token-summed loss, full fine-tuning: one step of 2 ranks x 4 conversations, and one of 2
     # ranks x 2 micro-batches x 2; the test compares both with one worker's step over all 8.
     rank = ray.train.get_context().get_world_rank()
@@ -214,16 +231,31 @@ DDP_KWARGS = {
 
 @pytest.fixture(scope="module")
 def probe(ray_session, tmp_path_factory, tiny_chat) -> dict:
+    import numpy as np
+    import pyarrow as pa
     import ray.cloudpickle
+    import ray.data
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+
+    from raytrain_ddp import data
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
     root = tmp_path_factory.mktemp("probe")
+    # 21 training rows in blocks of 5, 7 and 9 rows; 15 to validate in blocks of 6 and 9.
+    column = lambda first, n: pa.table({"i": np.arange(first, first + n)})  # noqa: E731
+    train = ray.data.from_blocks([column(0, 5), column(5, 7), column(12, 9)]).materialize()
+    val = ray.data.from_blocks([column(0, 6), column(6, 9)]).materialize()
+    shipped = data.shipped({"train": train, "val": val})
     trainer = TorchTrainer(
         _probe,
-        train_loop_config={"ddp": DDP_KWARGS, "out": str(root / "seen.json"), "chat": str(tiny_chat)},
+        train_loop_config={
+            "ddp": DDP_KWARGS,
+            "out": str(root / "seen.json"),
+            "chat": str(tiny_chat),
+            "blocks": shipped,
+        },
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
         run_config=RunConfig(name="probe", storage_path=str(root)),
     )
@@ -260,6 +292,20 @@ def test_torch_dataset_path_splits_reshuffles_per_epoch_and_counts_validation_ro
     assert rank0["epoch0"] != rank0["epoch1"]  # set_epoch reshuffles
     assert rank0["epoch0_again"] == rank0["epoch0"]  # the order is a function of (seed, epoch)
     assert sorted(rank0["val"] + rank1["val"]) == list(range(15))  # no padding, no repeats
+
+
+def test_a_materialized_ray_dataset_is_read_by_each_rank_from_its_blocks_and_resumes_mid_epoch(probe):
+    """Equal disjoint shares (21 rows: 10 each), a new order each epoch, a function of (seed, epoch);
+    a resumed epoch's batches are the uninterrupted epoch's; validation counts each row once."""
+    rank0, rank1 = probe["blocks_path"]
+    for epoch in ("epoch0", "epoch1"):
+        assert len(rank0[epoch]) == len(rank1[epoch]) == 10
+        assert not set(rank0[epoch]) & set(rank1[epoch]) and set(rank0[epoch]) | set(rank1[epoch]) <= set(range(21))
+    assert rank0["epoch0"] != rank0["epoch1"] and rank0["epoch0_again"] == rank0["epoch0"]
+    for rank in (rank0, rank1):
+        assert rank["epoch0_from_batch_1"] == rank["epoch0"][4:]
+        assert rank["reads_files"] is False  # no file to skip: no data_bad_files in its reports
+    assert sorted(rank0["val"] + rank1["val"]) == list(range(15))
 
 
 def test_a_token_summed_loss_steps_on_2_workers_with_or_without_accumulation_as_1_worker_on_all_rows(probe, tiny_chat):

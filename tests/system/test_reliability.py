@@ -164,8 +164,14 @@ def test_a_fault_that_repeats_stops_after_max_failures_plus_one_attempts(ray_ses
 
     from raytrain_ddp import RunFailed
 
-    with pytest.raises(RunFailed) as failed:
-        _run(workspace, *_faults(workspace, "'1:7:raise'"), "run.max_failures=1", "run.name=doomed")
+    with pytest.raises(RunFailed) as failed:  # a lazy Ray Dataset: Ray Train's Ray Data path, resumed too
+        _run(
+            workspace,
+            *_faults(workspace, "'1:7:raise'"),
+            "run.max_failures=1",
+            "run.name=doomed",
+            "dataset.source=lazy-ray",
+        )
 
     message = str(failed.value)
     assert "rank 1: RuntimeError: injected fault at training pass 8 of rank 1" in message  # attempt 2's first pass

@@ -53,7 +53,7 @@ def straight(ray_session, module_workspace):
 def test_each_worker_trains_on_half_of_the_rows_every_epoch(straight):
     summary, *_ = straight
     assert summary.epochs == 4
-    per_worker = DIGITS_TRAIN_ROWS // 2  # streaming_split(equal=True) drops the odd row
+    per_worker = DIGITS_TRAIN_ROWS // 2  # equal shares: the odd row is left out
     assert summary.final_metrics["train_samples_per_worker"] == [per_worker, per_worker]
     assert summary.final_metrics["train_samples"] == 2 * per_worker
     assert summary.final_metrics["train_batches"] == 2 * int(np.ceil(per_worker / 32))
