@@ -450,7 +450,11 @@ class LoopbackCluster:
         temp = self.root / name
         temp.mkdir(exist_ok=True)
         env = {k: v for k, v in self.env.items() if k != "RAY_ADDRESS"}
-        return env | {"RAY_TMPDIR": str(temp), "TMPDIR": str(temp)}
+        # The GCS marks a killed node dead after 3 failed health checks a second apart, not Ray's
+        # default 5 checks 3 s apart (~15 s that the lost-node and elastic tests would wait, twice in
+        # the elastic one); each check's timeout stays Ray's 10 s, so a busy node is not taken for dead.
+        checks = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+        return env | checks | {"RAY_TMPDIR": str(temp), "TMPDIR": str(temp)}
 
     def start(self) -> LoopbackCluster:
         (self.root / "token").write_text(secrets.token_hex(32))
