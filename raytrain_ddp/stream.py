@@ -272,7 +272,7 @@ class Blocks(Stream):
     """A materialized Ray Dataset, read as a stream whose "files" are its blocks, already in the object
     store: each rank plans its share as for files and reads those rows itself (`ray.get` of the block,
     zero-copy where the block is on its node). No Ray Data execution, no split coordinator, no dataset
-    manager: on 2 cores those processes cost a run ~2 s of its start (bench/README.md). `of` lists the
+    manager: on 2 cores those processes cost a run ~1.5 s of its start (bench/README.md). `of` lists the
     blocks from the dataset's own metadata; the driver holds the dataset, so the blocks live as long as
     the run."""
 
