@@ -16,6 +16,7 @@ import os
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 from pydantic import BaseModel
@@ -119,8 +120,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    if problem := ray_address.check_environment().problem:  # in a second, before torch and Ray load
-        print(f"error: {ConfigError(config.job, [problem])}", file=sys.stderr)
+    address = ray_address.check_environment()
+    if address.problem:  # in a second, before torch and Ray load
+        print(f"error: {ConfigError(config.job, [address.problem])}", file=sys.stderr)
         return 2
 
     from raytrain_ddp import timeline  # the run's phases, timed from this process's launch
@@ -128,6 +130,9 @@ def _train(args: argparse.Namespace) -> int:
     timeline.launch()
     timeline.mark("config")
     from raytrain_ddp import session
+
+    if _new_run(config):  # Ray starts (or is joined) while torch and Ray Train load
+        session.start(address, args.verbose)
     from raytrain_ddp.driver import run  # torch and Ray, only to train (MLflow comes while Ray starts)
     from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
     from raytrain_ddp.lease import RunBusy
@@ -156,6 +161,15 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         _leave_ray()
     return 0
+
+
+def _new_run(config: Config) -> bool:
+    """Whether `config` starts a new run (a run found on storage may have finished: answered from its
+    record, without Ray). A run on remote storage is looked for later, with Ray."""
+    from raytrain_ddp import storage
+
+    name, path = config.run.name, config.run.storage_path
+    return name is None or not storage.is_uri(path) and not Path(storage.absolute(path), name).exists()
 
 
 def _leave_ray() -> None:

@@ -2,6 +2,8 @@
 
 Which Ray: the one this process already `ray.init()`-ed (a notebook's), else the cluster RAY_ADDRESS
 names (as `ray job submit` sets it, checked by `ray_address.py` before Ray starts), else a new local one.
+The command starts (or joins) it on a thread while it imports torch and Ray Train (`start`), and
+`connect` takes it up; a notebook's `run()` starts it in `connect`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import ray
 import ray.data
@@ -31,6 +35,7 @@ ELASTIC_PLACEMENT_WAIT_S = 15
 MLFLOW_LOG_LEVEL_ENV = "MLFLOW_LOGGING_LEVEL"  # read by mlflow as it is imported
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
+_PRESTART = "prestart_worker_first_driver"  # Ray's idle workers, started as a first driver connects
 # MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
 # is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
 BOUNDED_RETRIES = {
@@ -42,6 +47,7 @@ BOUNDED_RETRIES = {
 
 interrupted_by: str | None = None  # "SIGTERM" once the command was told to stop (stop_on_sigterm)
 _sigterm_stops = False
+_started: Future | None = None  # Ray, started or joined by `start` on a thread, until `connect` takes it up
 
 
 def stop_on_sigterm() -> None:
@@ -70,24 +76,63 @@ def _stop(signum: int, frame: object) -> None:
 
 def ray_address() -> RayAddress:
     """RAY_ADDRESS, checked (`ray_address.check_environment`); nothing to join if this process has a Ray."""
-    return RayAddress() if ray.is_initialized() else check_environment()
+    return RayAddress() if ray.is_initialized() and _started is None else check_environment()
+
+
+def start(address: RayAddress, verbose: bool) -> None:
+    """Start the local Ray (or join `address`) on a thread while the command goes on: importing torch
+    and Ray Train keeps one core busy for ~2 s, and Ray's processes start on the other meanwhile.
+    `connect` takes it up. Only for a run that will train: one answered from its record needs no Ray."""
+    global _started
+    _started = Future()
+    threading.Thread(target=_start_and_stay, args=(_started, address, verbose), name="ray-start", daemon=True).start()
+
+
+def _start_and_stay(started: Future, address: RayAddress, verbose: bool) -> None:
+    try:
+        with _quiet_about_the_thread():
+            _init(address, verbose)
+    except BaseException as e:  # noqa: BLE001 - for `connect` to raise, in the command's thread
+        started.set_exception(e)
+        return
+    started.set_result(None)
+    # A local Ray's processes are started to die with the thread that started them (PR_SET_PDEATHSIG
+    # is per thread): this one stays for as long as the process.
+    threading.Event().wait()
+
+
+@contextlib.contextmanager
+def _quiet_about_the_thread() -> Iterator[None]:
+    """ray.init off the main thread warns that it leaves SIGTERM's handler alone: the command sets its
+    own (`stop_on_sigterm`), as it would after ray.init on the main thread."""
+    logger = logging.getLogger("ray._private.worker")
+    unset = _Dropping("SIGTERM handler is not set")
+    logger.addFilter(unset)
+    try:
+        yield
+    finally:
+        logger.removeFilter(unset)
+
+
+class _Dropping(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def connect(address: RayAddress, verbose: bool) -> None:
-    """Join `address` (checked by `ray_address`), else start a local Ray, unless this process has one.
-    A cluster that accepts the connection but does not answer like a Ray GCS raises ConnectionError."""
-    if not ray.is_initialized():
-        logging_level = logging.INFO if verbose else logging.ERROR
-        # RAY_ADDRESS wins over ray.init's argument: set it to what was checked while Ray starts. Ray
-        # tries a GCS for ~40 s, 20 times over (13 minutes, for a port that answers but is no GCS):
-        # once is enough for a cluster that runs (the environment may say otherwise).
-        joined = {ADDRESS_ENV: address.join, GCS_ATTEMPTS_ENV: os.environ.get(GCS_ATTEMPTS_ENV, "1")}
-        # A Ray of its own (it ends with the command) starts without the dashboard: its nine module
-        # processes cost a 2-core machine ~2 s of the start, and each wakes the cores a hundred times
-        # a second while the ranks train. For the dashboard: `ray start --head`, then RAY_ADDRESS=auto.
-        own = {} if address.join else {"include_dashboard": False}
-        with environment(joined if address.join else {}):
-            ray.init(log_to_driver=verbose, logging_level=logging_level, **own)
+    """Join `address` (checked by `ray_address`), else start a local Ray, unless this process has one
+    (or `start` began it: then wait for it). A cluster that accepts the connection but does not answer
+    like a Ray GCS raises ConnectionError."""
+    global _started
+    if _started is not None:
+        started, _started = _started, None
+        started.result()
+    elif not ray.is_initialized():
+        _init(address, verbose)
         if _sigterm_stops:
             signal.signal(signal.SIGTERM, _stop)
     context = ray.data.DataContext.get_current()
@@ -99,11 +144,33 @@ def connect(address: RayAddress, verbose: bool) -> None:
     context.print_on_execution_start = verbose
 
 
+def _init(address: RayAddress, verbose: bool) -> None:
+    logging_level = logging.INFO if verbose else logging.ERROR
+    # RAY_ADDRESS wins over ray.init's argument: set it to what was checked while Ray starts. Ray
+    # tries a GCS for ~40 s, 20 times over (13 minutes, for a port that answers but is no GCS):
+    # once is enough for a cluster that runs (the environment may say otherwise).
+    joined = {ADDRESS_ENV: address.join, GCS_ATTEMPTS_ENV: os.environ.get(GCS_ATTEMPTS_ENV, "1")}
+    # A Ray of its own (it ends with the command) starts without the dashboard: its nine module
+    # processes cost a 2-core machine ~2 s of the start, and each wakes the cores a hundred times
+    # a second while the ranks train. For the dashboard: `ray start --head`, then RAY_ADDRESS=auto.
+    # Nor does it start idle workers for its first driver: Ray Train's actors cannot use them (they
+    # carry a runtime environment), and a Ray Data task starts one when it needs it (~0.4 s
+    # of the start on 2 cores).
+    own = {} if address.join else {"include_dashboard": False, "_system_config": {_PRESTART: False}}
+    with environment(joined if address.join else {}):
+        ray.init(log_to_driver=verbose, logging_level=logging_level, **own)
+
+
 def leave() -> None:
     """Leave Ray, stopping the local one this process started. Its autoscaler monitor is killed first,
     at once: asked to stop, it first reports its own death to the Ray going down around it, and that
     used up the one second Ray's shutdown gives each process (1.0 of the 1.3 s the shutdown took,
     measured; 0.3-0.6 s now). It holds nothing that its end could lose."""
+    global _started
+    if _started is not None:  # stopped before `connect` took it up (Ctrl-C, a refusal): wait, then stop it
+        started, _started = _started, None
+        with contextlib.suppress(BaseException):
+            started.result()
     node = ray._private.worker._global_node  # this process's Ray: its processes, if it started them
     if node is not None:
         with contextlib.suppress(Exception):

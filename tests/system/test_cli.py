@@ -10,13 +10,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 from services import cli as raytrain_ddp
-from services import user_env
+from services import free_port, user_env, wait_until
 
 from raytrain_ddp import timeline
 
@@ -205,8 +206,10 @@ def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(demo):
     command = ["train", "digits", f"run.name={name}"]
 
     started = time.monotonic()
-    again = raytrain_ddp(*command, cwd=tmp_path)
+    ray_tmp = Path(tempfile.mkdtemp())  # where a Ray it started would keep its session
+    again = raytrain_ddp(*command, cwd=tmp_path, env={"RAY_TMPDIR": str(ray_tmp)})
     took = time.monotonic() - started
+    assert not (ray_tmp / "ray").exists()  # no Ray started, not even while the command loaded
 
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{name} has already finished training (6 epochs) and its model is registered: nothing to do" in again.stdout
@@ -231,3 +234,42 @@ print(json.dumps([summary.already_finished, summary.attempts, summary.model.vers
     assert python.returncode == 0, python.stderr[-3000:]
     answer = json.loads(python.stdout.splitlines()[-1])
     assert answer == [True, 0, 1, str(re.search(r"best checkpoint +(\S+)", trained.stdout).group(1)), False]
+
+
+def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_process(tmp_path):
+    """A new run's Ray starts while the command loads torch (`session.start`); a check that comes
+    after, here an MLflow server that does not answer, still refuses the run in seconds, and the Ray
+    it started is stopped with it: no process of its session is left."""
+    ray_tmp = Path(tempfile.mkdtemp())
+    uri = f"http://127.0.0.1:{free_port()}"
+    env = user_env({"RAY_TMPDIR": str(ray_tmp)})
+    started = time.monotonic()
+    command = subprocess.Popen(
+        [CLI, "train", TINY, f"mlflow.tracking_uri={uri}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    out, err = command.communicate(timeout=120)
+    took = time.monotonic() - started
+
+    assert command.returncode == 2, err[-3000:]
+    assert f"the MLflow tracking server {uri} is unreachable (connection refused)" in err
+    assert "Traceback" not in err
+    assert any((ray_tmp / "ray").glob("session_*"))  # its Ray had started
+    assert took < 30
+
+    def session_ended() -> bool:
+        return not [p for p in psutil.process_iter() if _session_of(p) == command.pid]
+
+    wait_until(session_ended, 10, "the refused command's Ray processes ending")
+
+
+def _session_of(process: psutil.Process) -> int | None:
+    try:
+        return os.getsid(process.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
