@@ -106,21 +106,15 @@ def _quiet_about_the_thread() -> Iterator[None]:
     """ray.init off the main thread warns that it leaves SIGTERM's handler alone: the command sets its
     own (`stop_on_sigterm`), as it would after ray.init on the main thread."""
     logger = logging.getLogger("ray._private.worker")
-    unset = _Dropping("SIGTERM handler is not set")
-    logger.addFilter(unset)
+
+    def not_the_warning(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SIGTERM handler is not set")
+
+    logger.addFilter(not_the_warning)
     try:
         yield
     finally:
-        logger.removeFilter(unset)
-
-
-class _Dropping(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
+        logger.removeFilter(not_the_warning)
 
 
 def connect(address: RayAddress, verbose: bool) -> None:
@@ -154,8 +148,8 @@ def _init(address: RayAddress, verbose: bool) -> None:
     # processes cost a 2-core machine ~2 s of the start, and each wakes the cores a hundred times
     # a second while the ranks train. For the dashboard: `ray start --head`, then RAY_ADDRESS=auto.
     # Nor does it start idle workers for its first driver: Ray Train's actors cannot use them (they
-    # carry a runtime environment), and a Ray Data task starts one when it needs it (~0.4 s
-    # of the start on 2 cores).
+    # carry a runtime environment), and a Ray Data task starts one when it needs it (~0.4 s of a
+    # cold start on 2 cores).
     own = {} if address.join else {"include_dashboard": False, "_system_config": {_PRESTART: False}}
     with environment(joined if address.join else {}):
         ray.init(log_to_driver=verbose, logging_level=logging_level, **own)
