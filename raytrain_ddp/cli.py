@@ -133,10 +133,14 @@ def _train(args: argparse.Namespace) -> int:
 
     if _new_run(config):  # Ray starts (or is joined) while torch and Ray Train load
         session.start(address, args.verbose)
-    from raytrain_ddp.driver import run  # torch and Ray, only to train (MLflow comes while Ray starts)
-    from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
-    from raytrain_ddp.lease import RunBusy
-
+    try:
+        from raytrain_ddp.driver import run  # torch and Ray, only to train (MLflow comes while Ray starts)
+        from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
+        from raytrain_ddp.lease import RunBusy
+    except KeyboardInterrupt:
+        session.leave()
+        print("interrupted (Ctrl-C) while loading, before anything was read or written", file=sys.stderr)
+        return 130
     timeline.mark("imports")
     session.stop_on_sigterm()
 

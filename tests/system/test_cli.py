@@ -262,10 +262,37 @@ def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_proc
     assert any((ray_tmp / "ray").glob("session_*"))  # its Ray had started
     assert took < 30
 
-    def session_ended() -> bool:
-        return not [p for p in psutil.process_iter() if _session_of(p) == command.pid]
+    _wait_for_no_process_of(command.pid)
 
-    wait_until(session_ended, 10, "the refused command's Ray processes ending")
+
+def test_ctrl_c_while_the_command_loads_stops_its_starting_ray_and_says_so(tmp_path):
+    """Ctrl-C while the command imports torch, its Ray starting beside it: exit 130 with a line, no
+    traceback, nothing written and no process of its session left."""
+    ray_tmp = Path(tempfile.mkdtemp())
+    command = subprocess.Popen(
+        [CLI, "train", TINY],
+        cwd=tmp_path,
+        env=user_env({"RAY_TMPDIR": str(ray_tmp)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    # Ray's session directory is made within a second of the start; the imports take longer
+    wait_until(lambda: any((ray_tmp / "ray").glob("session_*")), 30, "the command's Ray starting")
+    command.send_signal(signal.SIGINT)
+    out, err = command.communicate(timeout=120)
+
+    assert command.returncode == 130, err[-3000:]
+    assert "interrupted (Ctrl-C) while loading, before anything was read or written" in err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    _wait_for_no_process_of(command.pid)
+
+
+def _wait_for_no_process_of(session: int) -> None:
+    """Until no process is left in the session a command led (its Ray's, started for it)."""
+    wait_until(lambda: not [p for p in psutil.process_iter() if _session_of(p) == session], 10, "its Ray ending")
 
 
 def _session_of(process: psutil.Process) -> int | None:
