@@ -7,11 +7,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -197,7 +199,16 @@ def _still_running(processes: list[psutil.Process], wait_s: float) -> list[str]:
         time.sleep(0.5)
 
 
-def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(demo):
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """A RAY_TMPDIR for the command: where a Ray it starts keeps its session (short: Ray's socket paths
+    must fit in 107 bytes)."""
+    directory = Path(tempfile.mkdtemp())
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(demo, ray_tmp):
     """The demo's command again, naming its run: answered from the run's record, without Ray, with the
     command that trains it longer."""
     tmp_path, trained = demo
@@ -206,7 +217,6 @@ def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(demo):
     command = ["train", "digits", f"run.name={name}"]
 
     started = time.monotonic()
-    ray_tmp = Path(tempfile.mkdtemp())  # where a Ray it started would keep its session
     again = raytrain_ddp(*command, cwd=tmp_path, env={"RAY_TMPDIR": str(ray_tmp)})
     took = time.monotonic() - started
     assert not (ray_tmp / "ray").exists()  # no Ray started, not even while the command loaded
@@ -236,11 +246,10 @@ print(json.dumps([summary.already_finished, summary.attempts, summary.model.vers
     assert answer == [True, 0, 1, str(re.search(r"best checkpoint +(\S+)", trained.stdout).group(1)), False]
 
 
-def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_process(tmp_path):
+def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_process(tmp_path, ray_tmp):
     """A new run's Ray starts while the command loads torch (`session.start`); a check that comes
     after, here an MLflow server that does not answer, still refuses the run in seconds, and the Ray
     it started is stopped with it: no process of its session is left."""
-    ray_tmp = Path(tempfile.mkdtemp())
     uri = f"http://127.0.0.1:{free_port()}"
     env = user_env({"RAY_TMPDIR": str(ray_tmp)})
     started = time.monotonic()
@@ -253,7 +262,7 @@ def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_proc
         text=True,
         start_new_session=True,
     )
-    out, err = command.communicate(timeout=120)
+    _, err = command.communicate(timeout=120)
     took = time.monotonic() - started
 
     assert command.returncode == 2, err[-3000:]
@@ -265,10 +274,9 @@ def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_proc
     _wait_for_no_process_of(command.pid)
 
 
-def test_ctrl_c_while_the_command_loads_stops_its_starting_ray_and_says_so(tmp_path):
+def test_ctrl_c_while_the_command_loads_stops_its_starting_ray_and_says_so(tmp_path, ray_tmp):
     """Ctrl-C while the command imports torch, its Ray starting beside it: exit 130 with a line, no
     traceback, nothing written and no process of its session left."""
-    ray_tmp = Path(tempfile.mkdtemp())
     command = subprocess.Popen(
         [CLI, "train", TINY],
         cwd=tmp_path,
@@ -281,7 +289,7 @@ def test_ctrl_c_while_the_command_loads_stops_its_starting_ray_and_says_so(tmp_p
     # Ray's session directory is made within a second of the start; the imports take longer
     wait_until(lambda: any((ray_tmp / "ray").glob("session_*")), 30, "the command's Ray starting")
     command.send_signal(signal.SIGINT)
-    out, err = command.communicate(timeout=120)
+    _, err = command.communicate(timeout=120)
 
     assert command.returncode == 130, err[-3000:]
     assert "interrupted (Ctrl-C) while loading, before anything was read or written" in err
