@@ -158,8 +158,8 @@ def test_sbatch_trains_on_the_allocation_and_a_stopped_or_cancelled_job_resumes_
     assert killed.info.status == "KILLED" and client.search_registered_models() == []
     wait_until(lambda: not processes_with(f"{slurm.root}/ray-{first}-"), 60, "job 1's Ray to stop")
 
+    resumed_at = max(p.name for p in runs.glob("epoch_????"))  # job 1's newest: looked for before job 2 runs
     second = slurm.sbatch(tmp_path, *args)
-    resumed_at = max(p.name for p in runs.glob("epoch_????"))
     after = int(resumed_at[-4:]) + 1
     wait_until(lambda: (runs / f"epoch_{after:04d}").exists(), 300, f"epoch {after}'s checkpoint")
     slurm.run("scancel", second)
