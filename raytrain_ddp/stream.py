@@ -49,7 +49,6 @@ skipped files are counted in every report (`data_bad_files`, logged to MLflow).
 
 from __future__ import annotations
 
-import collections
 import functools
 import io
 import logging
@@ -533,11 +532,11 @@ class Pipeline:
             return read_pieces({k: [v] for k, v in vars(piece).items()}, self.stream, self.seed, epoch, skip_bad=False)
 
         with ThreadPoolExecutor(1, thread_name_prefix="blocks") as pool:
-            ahead = collections.deque([pool.submit(read, planned[0])])
+            ahead = pool.submit(read, planned[0])
             for piece in planned[1:]:
-                ahead.append(pool.submit(read, piece))
-                yield ahead.popleft().result()
-            yield ahead.popleft().result()
+                current, ahead = ahead, pool.submit(read, piece)
+                yield current.result()
+            yield ahead.result()
 
     def _missing(self, planned: list[Piece], positions: np.ndarray) -> None:
         """Name the files of rows that their task left out (unreadable, skipped)."""

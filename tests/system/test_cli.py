@@ -85,15 +85,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
     ]
     env = user_env()
 
-    a = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    a = _leading_a_session(command, tmp_path, env)
     _read_until(a, rf"new run \(no checkpoint of a run shared in {re.escape(str(tmp_path))}/runs\)")
     _read_until(a, r"^epoch +2/14 ")
 
@@ -162,6 +154,14 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
         checkpoints=len([p for p in (tmp_path / "runs" / "shared").iterdir() if p.is_dir()]),
         versions=1,
         note=f"second driver refused in {refused_in:.1f} s",
+    )
+
+
+def _leading_a_session(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The command started in a session of its own (its process group signalled, its processes found
+    by session), its output read as text."""
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
 
 
@@ -253,15 +253,7 @@ def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_proc
     uri = f"http://127.0.0.1:{free_port()}"
     env = user_env({"RAY_TMPDIR": str(ray_tmp)})
     started = time.monotonic()
-    command = subprocess.Popen(
-        [CLI, "train", TINY, f"mlflow.tracking_uri={uri}"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    command = _leading_a_session([CLI, "train", TINY, f"mlflow.tracking_uri={uri}"], tmp_path, env)
     _, err = command.communicate(timeout=120)
     took = time.monotonic() - started
 
@@ -277,15 +269,7 @@ def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_proc
 def test_ctrl_c_while_the_command_loads_stops_its_starting_ray_and_says_so(tmp_path, ray_tmp):
     """Ctrl-C while the command imports torch, its Ray starting beside it: exit 130 with a line, no
     traceback, nothing written and no process of its session left."""
-    command = subprocess.Popen(
-        [CLI, "train", TINY],
-        cwd=tmp_path,
-        env=user_env({"RAY_TMPDIR": str(ray_tmp)}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    command = _leading_a_session([CLI, "train", TINY], tmp_path, user_env({"RAY_TMPDIR": str(ray_tmp)}))
     # Ray's session directory is made within a second of the start; the imports take longer
     wait_until(lambda: any((ray_tmp / "ray").glob("session_*")), 30, "the command's Ray starting")
     command.send_signal(signal.SIGINT)
