@@ -1,6 +1,7 @@
 """What runs on Ray Train's controller: `ProgressRelay` and `ControllerMarks` put reports, failures and
 the worker group's phases on the driver's queue (where the console shows them and
-`tracking.MetricsLog` logs each report's metrics to MLflow).
+`tracking.MetricsLog` logs each report's metrics to MLflow); `ClusterRecount` keeps an elastic run's
+count of the cluster current.
 
 Kept light to import: the controller imports this module (to unpickle the callbacks) before it
 starts a worker, so an import here delays every run's first step: no torch (a second and more), no
@@ -24,6 +25,9 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from ray.util.queue import Queue
 
 logger = logging.getLogger(__name__)
+# An elastic run's recount of the cluster comes this long before Ray Train's resize check (its polls are
+# run.controller_poll_s apart: 0.5 s by default).
+RECOUNT_LEAD_S = 1.0
 
 
 class ProgressRelay(ray.train.UserCallback):
@@ -126,6 +130,54 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
             self.queue.put(("marks", {phase: time.time()}), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("timeline mark %s not kept: %s", phase, e)
+
+
+class ClusterRecount(ControllerCallback, WorkerGroupCallback):
+    """Runs on the controller of an elastic run: has Ray count the cluster's nodes again just before
+    Ray Train sizes the workers from that count. Ray Train's elastic policy sizes them from what Ray's
+    autoscaling coordinator reserves for the run, and the coordinator counts the alive nodes only every
+    20 s (its tick): a node lost a moment ago was still counted, so the restart asked for a worker on it
+    and waited out the placement's timeout before asking again, and a node that joined was seen up to
+    20 s late. Recounted as the controller starts, as it is about to size the workers again (after a
+    failure, or a placement that timed out), and just before each of Ray Train's resize checks (every
+    scaling.resize_check_s from the worker group's start). Never raises: Ray's own tick remains."""
+
+    def __init__(self, resize_check_s: float):
+        self.resize_check_s = resize_check_s
+        self.lead_s = min(RECOUNT_LEAD_S, resize_check_s / 2)  # how long before Ray Train's check
+        self.requester, self.next_recount = None, float("inf")
+
+    def after_controller_start(self, train_run_context) -> None:
+        self.requester = f"train-{train_run_context.run_id}"  # Ray Train's name for the run's request
+        self._recount()
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        now = type(current_state).__name__
+        if now in ("RestartingState", "ReschedulingState") and now != type(previous_state).__name__:
+            self._recount()
+
+    def after_worker_group_start(self, worker_group) -> None:
+        # Ray Train checks for room every resize_check_s from the worker group's start (its clock: this process's).
+        self.next_recount = time.monotonic() + self.resize_check_s - self.lead_s
+
+    def after_worker_group_poll_status(self, worker_group_status) -> None:
+        if time.monotonic() >= self.next_recount:
+            self.next_recount = time.monotonic() + self.resize_check_s
+            self._recount()
+
+    def after_worker_group_shutdown(self, worker_group_context) -> None:
+        self.next_recount = float("inf")
+
+    def _recount(self) -> None:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        try:  # `recompute`: the coordinator's tick, now (the alive nodes, then every run's reservation)
+            coordinator = get_or_create_autoscaling_coordinator()
+            ray.get(coordinator.get_reserved_resources.remote(self.requester, recompute=True), timeout=5)
+        except Exception as e:  # noqa: BLE001 - the coordinator's own tick counts them within 20 s
+            logger.warning("the cluster's nodes not recounted for the elastic policy: %s", e)
 
 
 def _preempted(error: BaseException) -> bool:

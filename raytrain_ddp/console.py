@@ -221,8 +221,9 @@ class LiveProgress:
             self._waiting_since = now
             return
         # An elastic run's placement may wait ELASTIC_PLACEMENT_WAIT_S for a node lost a moment ago,
-        # before Ray Train asks again for as many workers as fit: part of a shrink, not a wait.
-        grace = ELASTIC_PLACEMENT_WAIT_S if self.config.scaling.elastic else 0.0
+        # before Ray Train asks again for as many workers as fit: part of a shrink, not a wait. (A run
+        # below its minimum, deciding, has no placement to wait for: its wait counts at once.)
+        grace = ELASTIC_PLACEMENT_WAIT_S if self.config.scaling.elastic and not deciding else 0.0
         waited, limit = now - self._waiting_since - grace, self.config.run.resources_wait_s
         if waited < 0:
             return

@@ -29,6 +29,7 @@ from raytrain_ddp import capacity, data, lease, preflight, session, storage, tim
 from raytrain_ddp import console as ui
 from raytrain_ddp import plan as planning
 from raytrain_ddp.backend import ProcessGroupConfig
+from raytrain_ddp.callbacks import ClusterRecount
 from raytrain_ddp.config import Config
 from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed, RunInterrupted
@@ -193,6 +194,7 @@ class _Trainer(TorchTrainer):
 
 def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:
     config, shipped = plan.config, data.shipped(plan.datasets)
+    recount = [ClusterRecount(config.scaling.resize_check_s)] if config.scaling.elastic else []
     loop_config = {
         "config": config.to_dict(),
         "recipe": plan.recipe,
@@ -226,7 +228,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
                 checkpoint_score_order=config.checkpoint.score_order,
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
-            callbacks=[progress.relay, progress.marks],
+            callbacks=[progress.relay, progress.marks, *recount],
         ),
         datasets=plan.datasets if shipped is None else None,  # lazy Ray Datasets: Ray Train's Ray Data path
         dataset_config=data.dataset_config(),
