@@ -49,7 +49,7 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
         f"run.storage_path={storage}",
         f"mlflow.tracking_uri={mlflow_server.url}",
         "train.epochs=3",
-        "checkpoint.upload_retry_s=8",
+        "checkpoint.upload_retry_s=4",
     ]
 
     try:
@@ -60,7 +60,7 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
         warned = r"^warning: transient storage errors retried: epoch_0001: \d+ × .*SLOW_DOWN"
         assert re.search(warned, stopped.stdout, re.M), (throttled, stopped.stdout)
         assert f"checkpoint epoch_0002 could not be written to {storage}/on-s3/epoch_0002 (OSError: " in stopped.stderr
-        assert "the storage kept failing for checkpoint.upload_retry_s=8 s" in stopped.stderr
+        assert "the storage kept failing for checkpoint.upload_retry_s=4 s" in stopped.stderr
         assert s3.keys("runs/on-s3/epoch_0001/manifest.json")  # the first epoch's checkpoint, on S3
         assert not s3.keys("runs/on-s3/epoch_0002")  # nothing of the second: what landed was removed
         assert not s3.keys("runs/on-s3/driver.json")  # the lease let go
@@ -83,7 +83,7 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
     assert [key for key in s3.keys("mlflow/") if key.endswith("/MLmodel")]  # MLflow's artifacts, in S3 too
     assert client.get_run(version.run_id).info.status == "FINISHED"
     record(
-        "S3 throttled (503 SlowDown) at checkpoint 1, then down at checkpoint 2 (upload_retry_s=8); "
+        "S3 throttled (503 SlowDown) at checkpoint 1, then down at checkpoint 2 (upload_retry_s=4); "
         "the printed command run again",
         attempts="2 drivers",
         resumed="epoch_0001 (step 4), from S3",
