@@ -157,12 +157,14 @@ class ClusterRecount(ControllerCallback, WorkerGroupCallback):
             self._recount()
 
     def after_worker_group_start(self, worker_group) -> None:
-        # Ray Train checks for room every resize_check_s from the worker group's start (its clock: this process's).
+        # Ray Train checks for room every resize_check_s from the worker group's start, timed by the
+        # same monotonic clock in this same process (the controller's).
         self.next_recount = time.monotonic() + self.resize_check_s - self.lead_s
 
     def after_worker_group_poll_status(self, worker_group_status) -> None:
-        if time.monotonic() >= self.next_recount:
-            self.next_recount = time.monotonic() + self.resize_check_s
+        now = time.monotonic()
+        if now >= self.next_recount:
+            self.next_recount = now + self.resize_check_s
             self._recount()
 
     def after_worker_group_shutdown(self, worker_group_context) -> None:
