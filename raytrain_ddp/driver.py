@@ -105,8 +105,8 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     RunInterrupted says what failed, where the checkpoints are, the file with the workers' full
     tracebacks (printed too, `verbose`) and the command that resumes."""
     config = plan.config
-    # While Ray Train starts its controller (a process importing on one core), the driver loads what
-    # registering the model will take, on a core that would idle.
+    # While Ray Train starts, the driver loads what registering the model will take, at the lowest
+    # priority: what the start leaves of the cores, not the steps of an epoch (bench/README.md).
     if config.mlflow.register != "never" and plan.recipe.log_model is None:
         tracking.prepare_model_logging()
     metrics_log = tracking.MetricsLog(config.mlflow.tracking_uri, run_id)

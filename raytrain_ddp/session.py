@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -29,9 +28,6 @@ CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # Off by default: Ray Train's record of its runs (a detached state actor), which the dashboard shows.
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"
-# Linux: this process's session's scheduling group and its nice, 19 while `in_the_background` needs it.
-AUTOGROUP = "/proc/self/autogroup"
-BACKGROUND_NICE = 19
 PLACEMENT_WAIT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # the placement group's wait (Ray: 60 s)
 # A healthy placement takes well under a second; an elastic run never waits for a node to come (it
 # starts on those alive, then grows), only for Ray's count of the cluster to catch up.
@@ -227,51 +223,6 @@ def autoscaler_config():
 def bounded_mlflow_retries() -> contextlib.AbstractContextManager:
     """MLflow's HTTP retries bounded (BOUNDED_RETRIES), unless the environment sets them."""
     return environment({key: os.environ.get(key, value) for key, value in BOUNDED_RETRIES.items()})
-
-
-@contextlib.contextmanager
-def in_the_background() -> Iterator[None]:
-    """Run the calling thread, a thread of its own, only where a core would idle: under SCHED_IDLE
-    (Linux, where a policy is per thread; elsewhere nothing changes) it gives way at once to a thread
-    that wakes, such as a training worker back from its all-reduce. Linux shares the CPU between
-    sessions first (autogroup, on in most distributions), and a SCHED_IDLE thread yields only within
-    its session's group: to the Ray this process started, not to a cluster's workers (a `ray start`
-    cluster, or this driver under `ray job submit`, each a session of its own), against which it
-    takes half a core whatever its policy. Where this process did not start its Ray, its session's
-    group goes to nice 19 for the call, and back after: the rest of the driver, and the shell it was
-    started from, yield too meanwhile."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    nice = None if ray._private.worker._global_node is not None else _session_nice()
-    lowered = nice is not None and nice < BACKGROUND_NICE and _set_session_nice(BACKGROUND_NICE)
-    try:
-        yield
-    finally:
-        if lowered:
-            _set_session_nice(nice)
-
-
-def _session_nice() -> int | None:
-    """This process's session's group's nice (Linux autogroup: "/autogroup-<n> nice <k>"), if it has one."""
-    try:
-        with open(AUTOGROUP) as f:
-            return int(f.read().rsplit("nice", 1)[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _set_session_nice(nice: int) -> bool:
-    for _ in range(10):  # an unprivileged process may change a group's nice once per 0.1 s, machine-wide
-        try:
-            with open(AUTOGROUP, "w") as f:
-                f.write(str(nice))
-            return True
-        except BlockingIOError:
-            time.sleep(0.11)
-        except OSError:  # a nice below the group's own needs a privilege: lowering never does
-            return False
-    return False
 
 
 @contextlib.contextmanager

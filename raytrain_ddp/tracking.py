@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from raytrain_ddp import champion, session
+from raytrain_ddp import champion
 from raytrain_ddp.config import Config
 from raytrain_ddp.metrics import GENERATED, STOPPED_EARLY
 
@@ -516,18 +517,17 @@ _preparing: threading.Thread | None = None  # prepare_model_logging's thread, on
 
 def prepare_model_logging() -> None:
     """Do, on a thread, the one-time work of `log_pytorch_model` (`rehearse_model_logging`), which the
-    driver would otherwise wait for after training. Started as fit() starts Ray Train's controller, a
-    new process importing on one core while the driver waits, and run in the background
-    (`session.in_the_background`): on cores the workers share, what is left of it when they start
-    still slows them while it runs (bench/README.md says how much)."""
+    driver would otherwise wait for after training. Started as fit() starts Ray Train's controller,
+    at the lowest CPU priority (`yield_the_cpu`): it takes what the start leaves of the cores, and what
+    is left of it when the workers train slows their steps while it runs (bench/README.md says how much)."""
     global _preparing
 
     def prepare() -> None:
-        with session.in_the_background():
-            try:
-                rehearse_model_logging()
-            except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
-                logger.debug("preparing model logging: %s", e)
+        yield_the_cpu()
+        try:
+            rehearse_model_logging()
+        except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
+            logger.debug("preparing model logging: %s", e)
 
     _preparing = threading.Thread(target=prepare, name="prepare-model-logging", daemon=True)
     _preparing.start()
@@ -547,6 +547,17 @@ def rehearse_model_logging() -> None:
     with tempfile.TemporaryDirectory() as directory:
         mlflow.pytorch.save_model(torch.nn.Linear(1, 1), f"{directory}/model", **_model_files(example, example))
     resolve_tags()
+
+
+def yield_the_cpu() -> None:
+    """Run the calling thread under SCHED_IDLE (Linux, where a policy is per thread; elsewhere
+    nothing changes): it runs only where a core would idle, and gives way at once to a thread that
+    wakes, such as a training worker back from its all-reduce. Where Linux groups processes by session
+    (autogroup, on in most distributions), it yields only within the driver's: to the Ray the driver
+    started, not to a `ray start` cluster's workers on the same cores."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
 
 
 def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name: str) -> Any:

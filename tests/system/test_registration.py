@@ -16,9 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
-import threading
 from pathlib import Path
 
 import pytest
@@ -130,28 +128,6 @@ def test_if_better_registers_a_resumed_run_whose_best_improved(tiny):
     assert again.model.version == 2 and Path(again.best_checkpoint).name in ("epoch_0003", "epoch_0004")
     assert again.registration == f"val_mse {mine:.6g} is better than version 1's {theirs:.6g}"
     assert re.search(r"^  registered model +tiny  version 2  \(val_mse [\d.]+ is better than version 1's", out, re.M)
-
-
-def test_a_driver_with_a_ray_of_its_own_prepares_registration_in_the_background_of_its_own_session(ray_session):
-    """Where the driver started its Ray (a command's local one, this test's), the workers are in the
-    driver's session: the thread that prepares registration yields to them under SCHED_IDLE alone,
-    and the session's scheduling group keeps its nice (a driver without its own Ray lowers it:
-    tests/unit/test_preparing_thread.py)."""
-    from raytrain_ddp import session
-
-    def nice() -> str:
-        return Path("/proc/self/autogroup").read_text().split()[-1]
-
-    seen, before = {}, nice()
-
-    def prepare() -> None:
-        with session.in_the_background():
-            seen["during"], seen["policy"] = nice(), os.sched_getscheduler(threading.get_native_id())
-
-    thread = threading.Thread(target=prepare)
-    thread.start()
-    thread.join()
-    assert seen == {"during": before, "policy": os.SCHED_IDLE} and nice() == before
 
 
 def test_never_registers_nothing_and_a_resume_whose_best_is_registered_adds_no_version(ray_session, workspace):
