@@ -62,12 +62,10 @@ class LiveProgress:
         console: Console,
         plan: Plan,
         timeline: Timeline,
-        last_epoch: Callable[[], Any] | None = None,
         reported: Callable[[dict[str, Any]], None] | None = None,
     ):
         config = plan.config
         self.timeline = timeline  # the phases of the worker group (ControllerMarks) and of rank 0 (its reports)
-        self.last_epoch = last_epoch  # called once, from the first report after which one epoch is left
         self.reported = reported  # called with every report's metrics, in order (tracking.MetricsLog.add)
         self.console, self.epochs = console, config.train.epochs
         self.score, self.order = config.checkpoint.score_attribute, config.checkpoint.score_order
@@ -292,9 +290,6 @@ class LiveProgress:
         if STOPPED_EARLY in m:
             self.console.print(f"[green]stopping early[/]: {escape(m[STOPPED_EARLY])}")
         self._status.update(f"Training… epoch {epoch:.4g}/{self.epochs}")
-        if self.last_epoch is not None and self.epochs - 1 <= epoch < self.epochs:
-            self.last_epoch()
-            self.last_epoch = None
 
     def _failed(self, errors: dict[int, str], latest: str | None) -> None:
         what = "; ".join(f"rank {rank}: {error}" for rank, error in errors.items())

@@ -517,9 +517,9 @@ _preparing: threading.Thread | None = None  # prepare_model_logging's thread, on
 
 def prepare_model_logging() -> None:
     """Do, on a thread, the one-time work of `log_pytorch_model` (`rehearse_model_logging`), which the
-    driver would otherwise wait for after training. Started while the last epoch trains, when the
-    driver has nothing else to do, at the lowest CPU priority (`yield_the_cpu`): on cores the workers
-    share, it still slows their steps while it runs (bench/README.md says how much)."""
+    driver would otherwise wait for after training. Started as fit() starts Ray Train's controller,
+    at the lowest CPU priority (`yield_the_cpu`): it takes what the start leaves of the cores, and what
+    is left of it when the workers train slows their steps while it runs (bench/README.md says how much)."""
     global _preparing
 
     def prepare() -> None:

@@ -1,6 +1,6 @@
 """The driver does the one-time work of registering the model (torch.export's imports, MLflow's model
-flavor, requirements check and context tags: 3-4 CPU-seconds on a small machine) on a thread while the
-last epoch trains, under SCHED_IDLE: it takes the CPU time the training workers leave and yields the
+flavor, requirements check and context tags: 2-4 CPU-seconds on a small machine) on a thread while Ray
+Train starts, under SCHED_IDLE: it takes the CPU time the training workers leave and yields the
 moment one wakes (`bench/preload_cost.py` measures what each policy costs a DDP run on the same
 cores). Only that thread: the driver's others keep their own."""
 
