@@ -45,7 +45,11 @@ def entry() -> None:
     """The `raytrain-ddp` command: `main`, then the exit handlers (Ray's, MLflow's, logging's), then out
     without the interpreter's teardown, which frees torch, MLflow and Ray module by module: 2-3 s of
     a command whose work is done (the README's Benchmarks: teardown)."""
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # where the command has nothing more to say (a recipe importing torch, say)
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        code = 130
     atexit._run_exitfuncs()  # what sys.exit would run first; os._exit skips only the teardown after it
     sys.stdout.flush()
     sys.stderr.flush()

@@ -4,6 +4,8 @@ fresh process, is tests/system/test_cli.py's.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -95,3 +97,16 @@ def test_promote_refuses_an_unknown_model_or_version_and_moves_the_champion(rayt
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the default, as for every command
     again = raytrain_ddp("promote", "m", "1", cwd=tmp_path)
     assert again.returncode == 0 and "champion stays version 1" in again.stdout
+
+
+def test_ctrl_c_while_a_recipe_imports_says_so_without_a_traceback(tmp_path):
+    """The command as a fresh process: Ctrl-C as the recipe imports its libraries (raised by the recipe
+    here, at the moment a real one would be importing torch) ends it with 130 and one line."""
+    recipe = tmp_path / "slow_to_import.py"
+    recipe.write_text("raise KeyboardInterrupt  # as a Ctrl-C would, while this imports torch\n")
+    command = [sys.executable, "-m", "raytrain_ddp.cli", "train", str(recipe)]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert result.stderr == "interrupted (Ctrl-C)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow_to_import.py"]
