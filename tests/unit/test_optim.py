@@ -56,6 +56,24 @@ def test_gradient_clipping_bounds_the_global_norm_of_each_update():
     assert torch.linalg.vector_norm(after - before) == pytest.approx(0.01, rel=1e-4)  # ... the step is not
 
 
+def test_without_clipping_the_norm_is_measured_and_the_update_is_the_optimizers_alone():
+    torch.manual_seed(0)
+    model, plain = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    plain.load_state_dict(model.state_dict())
+    train = TrainSettings(optimizer="sgd", momentum=0.0, lr=1.0, grad_clip_norm=None)
+    updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
+    x = torch.randn(32, 8)
+    loud = lambda model, x: (model(x) * 100).pow(2).mean()  # noqa: E731
+    forward_backward(model, loud, x, updater, Accumulation(micro_batches=1, per_step=1), i=0)
+    loud(plain, x).backward()
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()]))
+    torch.optim.SGD(plain.parameters(), lr=1.0).step()
+
+    assert optimizer_step(updater, train.grad_clip_norm) == pytest.approx(expected.item(), rel=1e-5)
+    for trained, reference in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(trained, reference)  # unclipped: the large gradient applied as it was
+
+
 def test_micro_batches_group_into_steps_of_grad_accum_steps_and_the_last_step_takes_the_rest():
     accumulation = Accumulation(micro_batches=7, per_step=3)
     assert [i for i in range(7) if accumulation.ends_step(i)] == [2, 5, 6]
