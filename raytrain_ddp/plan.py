@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from raytrain_ddp import capacity, data, layering, preflight, ray_address, session, storage, stream, timeline, tracking
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data, layering, preflight, ray_address, session, storage, stream, timeline, tracking
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed
@@ -121,6 +121,7 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             console.print(f"[dim]{standing.address.note}[/]", highlight=False)
         with console.status("Starting Ray…"):
             _connect(config, standing.address, verbose)
+            capacity.start_coordinator()  # Ray Train's controller waits for it: it starts while the datasets build
         timeline.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
