@@ -103,9 +103,10 @@ def _worker_jobs() -> list[str]:
 def start_coordinator() -> None:
     """Create Ray's autoscaling coordinator (one detached actor per cluster, on this node) if the
     cluster has none yet, without waiting for it. Ray Train's controller asks it for the workers'
-    resources as it starts and waits for a new one's process to come up: 1.4 s of a new cluster's
-    first run on 2 cores (the controller phase 3.3-3.6 s against 1.9-2.1 s, measured), which starts
-    here instead while the driver builds the datasets. A cluster that has one keeps it."""
+    resources as it starts, and it waited for a new one's process to come up: the controller phase
+    of the tests' tiny job on a new local Ray 3.3-3.6 s, 1.9-2.3 s with the process started here,
+    while the driver builds the datasets (2 cores; the benchmark's cold run did not wait before
+    either). A cluster that has one keeps it."""
     try:
         _coordinator()
     except Exception as e:  # noqa: BLE001 - the controller creates it then, as it would have
