@@ -42,14 +42,18 @@ def test_lr_schedules_warm_up_linearly_then_decay():
     assert [lr_factor(s, step, steps_per_epoch=5) for s in (0, 9, 10, 19, 20)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
 
 
+def _loud(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient is large: a clip bound of 0.01 binds."""
+    return (model(x) * 100).pow(2).mean()
+
+
 def test_gradient_clipping_bounds_the_global_norm_of_each_update():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     train = TrainSettings(optimizer="sgd", momentum=0.0, lr=1.0, grad_clip_norm=0.01)
     updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    loud = lambda model, x: (model(x) * 100).pow(2).mean()  # noqa: E731
-    forward_backward(model, loud, torch.randn(32, 8), updater, Accumulation(micro_batches=1, per_step=1), i=0)
+    forward_backward(model, _loud, torch.randn(32, 8), updater, Accumulation(micro_batches=1, per_step=1), i=0)
     norm = optimizer_step(updater, train.grad_clip_norm)
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert norm > 1.0  # the gradient was large ...
@@ -63,9 +67,8 @@ def test_without_clipping_the_norm_is_measured_and_the_update_is_the_optimizers_
     train = TrainSettings(optimizer="sgd", momentum=0.0, lr=1.0, grad_clip_norm=None)
     updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
     x = torch.randn(32, 8)
-    loud = lambda model, x: (model(x) * 100).pow(2).mean()  # noqa: E731
-    forward_backward(model, loud, x, updater, Accumulation(micro_batches=1, per_step=1), i=0)
-    loud(plain, x).backward()
+    forward_backward(model, _loud, x, updater, Accumulation(micro_batches=1, per_step=1), i=0)
+    _loud(plain, x).backward()
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()]))
     torch.optim.SGD(plain.parameters(), lr=1.0).step()
 
