@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -157,11 +158,10 @@ def ui_command(tracking_uri: str) -> str:
 def opening_store(tracking_uri: str) -> Iterator[None]:
     """Open the tracking store in this process (MLflow keeps it) on a thread while the block runs: for
     a database, a second or two of imports, connecting and checking the schema, spent while Ray starts.
-    A sqlite database that does not exist yet is made beside it under a hidden name, MLflow creating
-    its schema (its ~60 migrations: 4 s on 2 cores, the first run's start), and `start_run` moves it
-    into place once the run is accepted: a run refused before that leaves no database behind, and
-    neither does a process that exits first. Errors are left to the calls that follow, which report
-    them."""
+    A sqlite database that does not exist yet is made beside it under a hidden name (a copy of an
+    empty one of MLflow's schema: `_new_database`), and `start_run` moves it into place once the run
+    is accepted: a run refused before that leaves no database behind, and neither does a process that
+    exits first. Errors are left to the calls that follow, which report them."""
     database = _sqlite_file(tracking_uri)
     if database is not None and not database.exists() and database.parent.is_dir():
         target, new = _new_database, database.with_name(f".{database.name}.{os.getpid()}.new")
@@ -211,8 +211,55 @@ def _open_store(tracking_uri: str) -> bool:
 
 
 def _new_database(path: Path) -> None:
-    if not _open_store(f"sqlite:///{path}"):  # left to MLflow to make, where start_run says what failed
+    """A new sqlite store at `path`: a copy of an empty one with this MLflow's schema, opened, MLflow
+    adding what belongs to this store (its Default experiment, with artifacts beside it). Where no
+    copy can be had, or it does not open, MLflow makes the store itself; failing that, it is left to
+    MLflow to make, and start_run says what failed."""
+    uri = f"sqlite:///{path}"
+    if (schema := _empty_schema()) is not None and _copied(schema, path):
+        if _open_store(uri):
+            return
+        schema.unlink(missing_ok=True)  # not this MLflow's schema after all, or damaged: made again next time
         path.unlink(missing_ok=True)
+    if not _open_store(uri):
+        path.unlink(missing_ok=True)
+
+
+def _copied(source: Path, target: Path) -> bool:
+    try:
+        shutil.copyfile(source, target)
+    except OSError:
+        target.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _empty_schema() -> Path | None:
+    """An empty sqlite database of this MLflow's schema, made once per MLflow version in the user's
+    cache (`$XDG_CACHE_HOME`, else ~/.cache): MLflow makes a store's schema by running its ~60
+    migrations, 2-4 s on 2 cores, which every new store paid. Made as MLflow's store makes it on an
+    empty database, then moved into place whole. None where the cache cannot be written."""
+    import mlflow
+    from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raytrain_ddp"
+    schema = cache / f"mlflow-{mlflow.__version__}-empty.db"
+    if schema.is_file():
+        return schema
+    part = schema.with_name(f".{schema.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        engine = create_sqlalchemy_engine_with_retry(f"sqlite:///{part}")
+        try:
+            _initialize_tables(engine)
+        finally:
+            engine.dispose()
+        os.replace(part, schema)  # whole, or not at all: another driver's may land first, the same
+    except Exception:  # noqa: BLE001 - no cache here (a read-only home, say): MLflow makes the store
+        with contextlib.suppress(OSError):
+            part.unlink(missing_ok=True)
+        return None
+    return schema
 
 
 def _put_new_database_in_place(tracking_uri: str) -> None:

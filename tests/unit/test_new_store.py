@@ -1,16 +1,19 @@
 """A run's first MLflow database is made while Ray starts (`tracking.opening_store`, on a thread, under a
 hidden name) and put in place only once the run is accepted (`tracking.start_run`): the same database
 MLflow would have made, none left behind by a run refused before, none written over if another driver
-made one meanwhile."""
+made one meanwhile. It is a copy of an empty one of MLflow's schema, made once in the user's cache."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+import mlflow.store.db.utils
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -85,6 +88,88 @@ print(json.dumps(os.listdir({str(tmp_path)!r})))
     [made] = json.loads(ended.stdout.splitlines()[-1])  # what was there before the process ended
     assert made.startswith(".mlflow.db.")
     assert _files(tmp_path) == []
+
+
+def _schema(database: Path) -> list[tuple]:
+    """Each table and index, its definition's lines sorted (MLflow's own migrations order a table's
+    constraints differently from one database to the next), and the schema's revision."""
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        rows = db.execute("SELECT type, name, sql FROM sqlite_master ORDER BY name").fetchall()
+        revision = db.execute("SELECT version_num FROM alembic_version").fetchall()
+    return [
+        (kind, name, sorted(line.strip(" ,") for line in (sql or "").splitlines())) for kind, name, sql in rows
+    ] + revision
+
+
+@pytest.fixture(scope="module")
+def mlflows_own(tmp_path_factory) -> list[tuple]:
+    """The schema of a store MLflow makes itself."""
+    direct = tmp_path_factory.mktemp("direct") / "mlflow.db"
+    MlflowClient(f"sqlite:///{direct}").search_experiments()
+    return _schema(direct)
+
+
+def _made_store(directory: Path) -> MlflowClient:
+    """A run's new store in `directory`, as the driver makes it (opened aside, put in place)."""
+    directory.mkdir()
+    config = _config(directory)
+    with tracking.opening_store(config.mlflow.tracking_uri):
+        pass
+    tracking.start_run(config, str(directory / "runs" / "r"))
+    return MlflowClient(config.mlflow.tracking_uri)
+
+
+def test_mlflow_makes_its_schema_once_and_each_new_store_is_a_copy_of_it(tmp_path, monkeypatch, mlflows_own):
+    """MLflow's migrations run for the first new store only; every store is MLflow's own schema, with
+    its own Default experiment."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    made = []
+    initialize = mlflow.store.db.utils._initialize_tables
+    monkeypatch.setattr(mlflow.store.db.utils, "_initialize_tables", lambda engine: made.append(initialize(engine)))
+
+    first, second = _made_store(tmp_path / "first"), _made_store(tmp_path / "second")
+
+    assert len(made) == 1
+    [cached] = (tmp_path / "cache" / "raytrain_ddp").iterdir()
+    for store in ("first", "second"):
+        assert _schema(tmp_path / store / "mlflow.db") == mlflows_own, store
+    assert _schema(cached) == mlflows_own
+    for client in (first, second):
+        assert [e.name for e in client.search_experiments()] == ["e", "Default"]
+    assert first.get_experiment("0").artifact_location == str(tmp_path / "mlruns" / "0")
+
+
+def test_a_cached_schema_of_another_mlflow_is_made_again(tmp_path, monkeypatch, mlflows_own):
+    """A cached schema MLflow does not open (an older revision, as another MLflow of the same version
+    number would leave) is replaced, and the store is still MLflow's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _made_store(tmp_path / "first")
+    [cached] = (tmp_path / "cache" / "raytrain_ddp").iterdir()
+    with contextlib.closing(sqlite3.connect(cached)) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = '451aebb31d03'")  # MLflow 1.0's
+
+    client = _made_store(tmp_path / "second")
+
+    assert client.get_experiment_by_name("e") is not None
+    assert _schema(tmp_path / "second" / "mlflow.db") == mlflows_own
+    assert not cached.exists()  # made again by the next new store
+    _made_store(tmp_path / "third")
+    assert _schema(cached) == mlflows_own
+
+
+def test_without_a_cache_mlflow_makes_the_store_itself(tmp_path, monkeypatch):
+    """Where the cache cannot be written, the store is still made aside, by MLflow's migrations."""
+    (tmp_path / "not-a-directory").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
+    config = _config(tmp_path)
+
+    with tracking.opening_store(config.mlflow.tracking_uri):
+        pass
+
+    [hidden] = set(_files(tmp_path)) - {"not-a-directory"}
+    assert hidden.startswith(".mlflow.db.") and hidden.endswith(".new")
+    tracking.start_run(config, str(tmp_path / "runs" / "r"))
+    assert MlflowClient(config.mlflow.tracking_uri).get_experiment_by_name("e") is not None
 
 
 def test_mlflow_comes_in_on_the_stores_thread_not_with_the_drivers_modules(tmp_path):
