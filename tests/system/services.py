@@ -29,6 +29,8 @@ from pathlib import Path
 
 import psutil
 
+from raytrain_ddp import tracking
+
 BIN = Path(sys.executable).parent  # the venv's executables: mlflow, moto_server, ray, raytrain-ddp
 REPO = Path(__file__).resolve().parents[2]
 
@@ -357,6 +359,9 @@ class MLflowServer:
         return {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": self.password} if self.auth else {}
 
     def start(self) -> MLflowServer:
+        store = self.root / "mlflow.db"
+        if not store.exists() and (schema := tracking._empty_schema()) is not None:
+            shutil.copyfile(schema, store)  # as the driver makes a new store: MLflow's migrations ran once
         # No job runner: MLflow 3 starts eight more processes for its GenAI jobs (~25 CPU-seconds a
         # start on 2 cores), which training never uses.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env}
@@ -370,7 +375,7 @@ class MLflowServer:
             "--workers",
             "1",
             "--backend-store-uri",
-            f"sqlite:///{self.root / 'mlflow.db'}",
+            f"sqlite:///{store}",
             "--artifacts-destination",
             self.artifacts or str(self.root / "artifacts"),
         ]
