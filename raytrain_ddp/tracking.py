@@ -237,10 +237,10 @@ def _copied(source: Path, target: Path) -> bool:
 def _empty_schema() -> Path | None:
     """An empty sqlite database of this MLflow's schema, made once per MLflow version in the user's
     cache (`$XDG_CACHE_HOME`, else ~/.cache): MLflow makes a store's schema by running its ~60
-    migrations, 2-4 s on 2 cores, which every new store paid. Made as MLflow's store makes it on an
-    empty database, then moved into place whole. None where the cache cannot be written."""
+    migrations, 2-6 s on 2 cores, which every new store paid. Made as MLflow's store makes it on an
+    empty database (`_initialize_tables`), then moved into place whole. None where the cache cannot
+    be written, or MLflow no longer makes a schema that way."""
     import mlflow
-    from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raytrain_ddp"
     schema = cache / f"mlflow-{mlflow.__version__}-empty.db"
@@ -248,6 +248,8 @@ def _empty_schema() -> Path | None:
         return schema
     part = schema.with_name(f".{schema.name}.{os.getpid()}.{threading.get_ident()}")
     try:
+        from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
+
         cache.mkdir(parents=True, exist_ok=True)
         engine = create_sqlalchemy_engine_with_retry(f"sqlite:///{part}")
         try:
