@@ -216,22 +216,33 @@ def _new_database(path: Path) -> None:
     copy can be had, or it does not open, MLflow makes the store itself; failing that, it is left to
     MLflow to make, and start_run says what failed."""
     uri = f"sqlite:///{path}"
-    if (schema := _empty_schema()) is not None and _copied(schema, path):
+    if copy_empty_schema(path):
         if _open_store(uri):
             return
-        schema.unlink(missing_ok=True)  # not this MLflow's schema after all, or damaged: made again next time
+        _schema_file().unlink(missing_ok=True)  # not this MLflow's schema after all, or damaged: made again next time
         path.unlink(missing_ok=True)
     if not _open_store(uri):
         path.unlink(missing_ok=True)
 
 
-def _copied(source: Path, target: Path) -> bool:
+def copy_empty_schema(path: Path) -> bool:
+    """Make `path` a copy of an empty sqlite database of this MLflow's schema (`_empty_schema`), for
+    MLflow to open as a new store without running its migrations. False where none can be had."""
+    if (schema := _empty_schema()) is None:
+        return False
     try:
-        shutil.copyfile(source, target)
+        shutil.copyfile(schema, path)
     except OSError:
-        target.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         return False
     return True
+
+
+def _schema_file() -> Path:
+    import mlflow
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raytrain_ddp"
+    return cache / f"mlflow-{mlflow.__version__}-empty.db"
 
 
 def _empty_schema() -> Path | None:
@@ -240,17 +251,14 @@ def _empty_schema() -> Path | None:
     migrations, 2-6 s on 2 cores, which every new store paid. Made as MLflow's store makes it on an
     empty database (`_initialize_tables`), then moved into place whole. None where the cache cannot
     be written, or MLflow no longer makes a schema that way."""
-    import mlflow
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raytrain_ddp"
-    schema = cache / f"mlflow-{mlflow.__version__}-empty.db"
+    schema = _schema_file()
     if schema.is_file():
         return schema
     part = schema.with_name(f".{schema.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
 
-        cache.mkdir(parents=True, exist_ok=True)
+        schema.parent.mkdir(parents=True, exist_ok=True)
         engine = create_sqlalchemy_engine_with_retry(f"sqlite:///{part}")
         try:
             _initialize_tables(engine)

@@ -360,8 +360,8 @@ class MLflowServer:
 
     def start(self) -> MLflowServer:
         store = self.root / "mlflow.db"
-        if not store.exists() and (schema := tracking._empty_schema()) is not None:
-            shutil.copyfile(schema, store)  # as the driver makes a new store: MLflow's migrations ran once
+        if not store.exists():
+            tracking.copy_empty_schema(store)  # as the driver makes a new store: MLflow's migrations ran once
         # No job runner: MLflow 3 starts eight more processes for its GenAI jobs (~25 CPU-seconds a
         # start on 2 cores), which training never uses.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env}
