@@ -349,7 +349,10 @@ def is_quality_metric(key: str, value: Any) -> bool:
 
 
 def throughput(m: dict[str, Any]) -> str:
-    """Samples/s (tokens/s where counted), and on a GPU of known peak the model FLOP/s and MFU."""
+    """Samples/s (tokens/s where counted), and on a GPU of known peak the model FLOP/s and MFU; with
+    train.compile, the time the epoch's compiling batches took (not in those rates)."""
     tokens = f"{m['tokens_per_s']:,.0f} tokens/s, " if "tokens_per_s" in m else ""
     mfu = f"{si(m['model_flops_per_s'])}FLOP/s, MFU {m['mfu']:.1%}, " if "mfu" in m else ""
-    return f"{m['samples_per_s']:,.0f} samples/s, {tokens}{mfu}{m['data_wait_fraction']:.0%} waiting for data"
+    compiling = f", {m['compile_s']:.1f} s compiling (not in the rates)" if m.get("compile_s") else ""
+    waiting = f"{m['data_wait_fraction']:.0%} waiting for data"
+    return f"{m['samples_per_s']:,.0f} samples/s, {tokens}{mfu}{waiting}{compiling}"

@@ -144,6 +144,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         return
     step, blocked, step_count = start.step, Blocked(), None
     preemption = PreemptionCheck(config.checkpoint.preemption_check_steps)
+    compiled = CompiledShapes() if config.train.compile else None
 
     # 3. Train: one optimizer step per `accumulation.per_step` micro-batches. Evaluate and checkpoint
     #    every checkpoint.every_n_steps steps, as soon as a node of the run is being preempted, and at
@@ -157,6 +158,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         ddp_model.train()
         for i, batch in enumerate(meter.timed(worker_data.train_batches(epoch, first)), start=first):
             marks.once("first batch")
+            if compiled and compiled.new(batch):
+                meter.compiling()
             loss = forward_backward(ddp_model, recipe.compute_loss, batch, updater, accumulation, i)
             summed, rows = isinstance(loss, tuple), _rows(batch)
             loss_sum, count = loss if summed else (loss * rows, rows)  # a mean loss sums over rows
@@ -190,6 +193,25 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             return
         if preemption.seen and epoch + 1 < config.train.epochs:  # seen at the epoch's last step
             preemption.wait_for_the_restart()
+
+
+class CompiledShapes:
+    """The batch shapes this process's compiled model has trained on. With static shapes each new one
+    compiles a graph (seconds to minutes, in that batch's forward and backward), up to dynamo's
+    recompile limit, beyond which new shapes run eagerly."""
+
+    def __init__(self):
+        import torch._dynamo  # imported already, by torch.compile
+
+        self.seen: set[tuple] = set()
+        self.limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+
+    def new(self, batch: dict[str, torch.Tensor]) -> bool:
+        shape = tuple((key, tuple(value.shape)) for key, value in batch.items() if isinstance(value, torch.Tensor))
+        if shape in self.seen or len(self.seen) >= self.limit:
+            return False
+        self.seen.add(shape)
+        return True
 
 
 class PreemptionCheck:

@@ -34,6 +34,7 @@ TRAIN_METRICS = (
     "samples_per_s",
     "data_wait_s",
     "compute_s",
+    "compile_s",  # train.compile: the batches that compiled a graph, kept out of compute_s and the rates
     "data_wait_fraction",
     "data_wait_fraction_per_worker",
     "peak_memory_mb",
@@ -80,11 +81,18 @@ class EpochMeter:
     steps: int = 0
     data_wait_s: float = 0.0  # blocked in next(batches)
     compute_s: float = 0.0  # everything between two batches (forward, backward, step), less `paused` time
+    # Batches marked `compiling` (a compiled model's first batch of each shape, per process): their time,
+    # rows and tokens, kept out of compute_s and the throughput, so an epoch's rates and MFU are the
+    # steady step's, not a mix with the compiler's tens of seconds.
+    compile_s: float = 0.0
+    compile_samples: int = 0
+    compile_tokens: int = 0
     earlier_s: float = 0.0  # wall time spent on this epoch before the attempt that resumed it
 
     def __post_init__(self) -> None:
         self._started = time.perf_counter()
         self._paused_s = 0.0
+        self._compiling = False
         # Loss and gradient-norm sums not yet read back from the device: reading one per step would
         # make the host wait for the GPU every step. `settle` reads them once, at a report.
         self._pending_loss: torch.Tensor | float = 0.0
@@ -101,9 +109,20 @@ class EpochMeter:
                 return
             computing = time.perf_counter()
             self.data_wait_s += computing - waiting
-            self._paused_s = 0.0
+            self._paused_s, samples, tokens = 0.0, self.samples, self.tokens
             yield batch
-            self.compute_s += time.perf_counter() - computing - self._paused_s
+            spent = time.perf_counter() - computing - self._paused_s
+            if self._compiling:
+                self.compile_s += spent
+                self.compile_samples += self.samples - samples
+                self.compile_tokens += self.tokens - tokens
+                self._compiling = False
+            else:
+                self.compute_s += spent
+
+    def compiling(self) -> None:
+        """The batch in hand compiles a graph: its time, rows and tokens are not the steady step's."""
+        self._compiling = True
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -148,16 +167,18 @@ def combine(
     gathered = all_gather((asdict(meter), _peak_memory_mb(device), flops.peak if flops else None))
     parts = [EpochMeter(**fields) for fields, _, _ in gathered]
     samples = sum(p.samples for p in parts)
-    busy = max(p.data_wait_s + p.compute_s for p in parts)  # the slowest rank sets the pace
+    steady = [_steady(p) for p in parts]
+    busy = max(b for _, _, b in steady)  # the slowest rank sets the pace
     metrics = {
         "train_loss": sum(p.loss_sum for p in parts) / max(sum(p.loss_count for p in parts), 1e-12),
         "grad_norm": meter.grad_norm_sum / max(meter.steps, 1),  # of the all-reduced gradient: rank-independent
         "train_samples": samples,
         "train_samples_per_worker": [p.samples for p in parts],
         "train_batches": sum(p.batches for p in parts),
-        "samples_per_s": samples / max(busy, 1e-9),
+        "samples_per_s": sum(n for n, _, _ in steady) / max(busy, 1e-9),
         "data_wait_s": sum(p.data_wait_s for p in parts) / len(parts),
         "compute_s": sum(p.compute_s for p in parts) / len(parts),
+        "compile_s": sum(p.compile_s for p in parts) / len(parts),
         "data_wait_fraction": sum(p.data_wait_s for p in parts)
         / max(sum(p.data_wait_s + p.compute_s for p in parts), 1e-9),
         "data_wait_fraction_per_worker": [p.data_wait_s / max(p.data_wait_s + p.compute_s, 1e-9) for p in parts],
@@ -165,14 +186,24 @@ def combine(
     }
     if counts_tokens:
         tokens = sum(p.tokens for p in parts)
-        metrics |= {"train_tokens": tokens, "tokens_per_s": tokens / max(busy, 1e-9)}
+        metrics |= {"train_tokens": tokens, "tokens_per_s": sum(t for _, t, _ in steady) / max(busy, 1e-9)}
     if flops is not None and flops.known:
         metrics |= utilization(
-            [flops.trained(p.samples, p.tokens) for p in parts],
-            [p.data_wait_s + p.compute_s for p in parts],
-            [peak for _, _, peak in gathered],
+            [flops.trained(n, t) for n, t, _ in steady], [b for _, _, b in steady], [peak for _, _, peak in gathered]
         )
     return metrics
+
+
+def _steady(part: EpochMeter) -> tuple[int, int, float]:
+    """A rank's (samples, tokens, busy seconds) for the throughput: without the batches that compiled,
+    unless those were all it trained (then with them: a rate, if not the steady one)."""
+    if part.samples == part.compile_samples:
+        return part.samples, part.tokens, part.data_wait_s + part.compute_s + part.compile_s
+    return (
+        part.samples - part.compile_samples,
+        part.tokens - part.compile_tokens,
+        part.data_wait_s + part.compute_s,
+    )
 
 
 def all_gather(obj: Any) -> list[Any]:

@@ -5,6 +5,7 @@ the utilization arithmetic every report carries."""
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -170,3 +171,28 @@ def test_every_report_of_a_counted_model_carries_its_flops_per_second_and_mfu_on
     on_gpu = combine(meter, True, cpu, replace(flops, peak=peak_flops("NVIDIA H100 80GB HBM3", "bf16")))
     assert on_gpu["mfu"] == pytest.approx(3000 * 2e7 / 2.5 / 989e12) == on_gpu["mfu_per_worker"][0]
     assert "model_flops_per_s" not in combine(meter, True, cpu, ModelFlops())
+
+
+def test_the_batches_that_compiled_are_kept_out_of_the_rates_and_mfu():
+    """train.compile: an epoch's rates and MFU are the steady step's; the compiler's time is `compile_s`."""
+    meter = EpochMeter()
+    for i, rows in enumerate(meter.timed([8, 8, 8, 4])):
+        if i in (0, 3):  # a new shape each: the first batch and the short last one
+            meter.compiling()
+            time.sleep(0.2)  # the compiler
+        meter.add_batch(torch.tensor(1.0), rows, rows, tokens=10 * rows)
+    assert (meter.samples, meter.compile_samples, meter.compile_tokens) == (28, 12, 120)
+    assert meter.compile_s >= 0.4 > meter.compute_s
+
+    flops = ModelFlops(per_sample=1e9, per_token=2e7, source="counted", peak=1e12)
+    fields = {"samples": 100, "tokens": 3000, "compute_s": 2.0, "data_wait_s": 0.5}
+    reported = combine(
+        EpochMeter(**fields, compile_s=30.0, compile_samples=10, compile_tokens=300), True, torch.device("cpu"), flops
+    )
+    assert reported["train_samples"] == 100 and reported["compile_s"] == 30.0
+    assert reported["samples_per_s"] == pytest.approx(90 / 2.5)
+    assert reported["tokens_per_s"] == pytest.approx(2700 / 2.5)
+    assert reported["mfu"] == pytest.approx(2700 * 2e7 / 2.5 / 1e12)
+    # An epoch that only compiled (a single batch): its rate over everything, not zero.
+    only = EpochMeter(**fields, compile_s=7.5, compile_samples=100, compile_tokens=3000)
+    assert combine(only, True, torch.device("cpu"), flops)["samples_per_s"] == pytest.approx(100 / 10.0)
