@@ -80,10 +80,11 @@ class EpochMeter:
     grad_norm_sum: float = 0.0
     steps: int = 0
     data_wait_s: float = 0.0  # blocked in next(batches)
-    compute_s: float = 0.0  # everything between two batches (forward, backward, step), less `paused` time
-    # Batches marked `compiling` (a compiled model's first batch of each shape, per process): their time,
-    # rows and tokens, kept out of compute_s and the throughput, so an epoch's rates and MFU are the
-    # steady step's, not a mix with the compiler's tens of seconds.
+    # Everything between two batches (forward, backward, step), less `paused` time: compute_s, or for
+    # a batch marked `compiling` (a compiled model's first of each shape, per process) compile_s, with
+    # its rows and tokens, kept out of the throughput: an epoch's rates and MFU are the steady step's,
+    # not a mix with the compiler's tens of seconds.
+    compute_s: float = 0.0
     compile_s: float = 0.0
     compile_samples: int = 0
     compile_tokens: int = 0
