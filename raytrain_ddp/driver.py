@@ -25,7 +25,7 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from rich.console import Console
 
-from raytrain_ddp import capacity, data, lease, preflight, session, storage, timeline, tracking
+from raytrain_ddp import capacity, data, lease, preflight, prestart, session, storage, timeline, tracking
 from raytrain_ddp import console as ui
 from raytrain_ddp import plan as planning
 from raytrain_ddp.backend import ProcessGroupConfig
@@ -228,6 +228,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
                 checkpoint_score_order=config.checkpoint.score_order,
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
+            worker_runtime_env=prestart.worker_runtime_env(config),  # what `prestart.start` matched
             callbacks=[progress.relay, progress.marks, *recount],
         ),
         datasets=plan.datasets if shipped is None else None,  # lazy Ray Datasets: Ray Train's Ray Data path

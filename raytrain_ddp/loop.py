@@ -37,7 +37,7 @@ from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
 from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data, storage
+from raytrain_ddp import data, prestart, storage
 from raytrain_ddp.config import Config, DDPSettings
 from raytrain_ddp.early_stopping import EarlyStopping
 from raytrain_ddp.flops import ModelFlops
@@ -97,6 +97,7 @@ class Blocked:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    prestart.threads_as_ray_says()
     config = Config.from_dict(loop_config["config"])
     recipe: Recipe = loop_config["recipe"]
     worker_data = data.WorkerData(loop_config["shipped_datasets"], config.train, config.data, config.seed)

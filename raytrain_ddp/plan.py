@@ -24,7 +24,19 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from raytrain_ddp import capacity, data, layering, preflight, ray_address, session, storage, stream, timeline, tracking
+from raytrain_ddp import (
+    capacity,
+    data,
+    layering,
+    preflight,
+    prestart,
+    ray_address,
+    session,
+    storage,
+    stream,
+    timeline,
+    tracking,
+)
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.early_stopping import ended_early
@@ -122,6 +134,8 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
         with console.status("Starting Ray…"):
             _connect(config, standing.address, verbose)
             capacity.start_coordinator()  # Ray Train's controller waits for it: it starts while the datasets build
+            # The workers' processes, loading torch while the datasets build and the recipe is checked.
+            prestart.start(config, session.fit_environment(config.run.controller_poll_s, config.scaling.elastic))
         timeline.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)

@@ -496,6 +496,8 @@ class Pipeline:
         import ray
         import ray.data
 
+        from raytrain_ddp.prestart import TASKS_RUNTIME_ENV
+
         if not planned:
             return iter(())
         if not self.stream.read_in_tasks:
@@ -521,6 +523,7 @@ class Pipeline:
             # The stream without its file list: each task reads only its pieces.
             fn_kwargs={"stream": replace(self.stream, manifest=None), "seed": self.seed, "epoch": epoch}
             | {"skip_bad": d.max_bad_files > 0},
+            runtime_env=TASKS_RUNTIME_ENV,  # not this worker's setup hook: a reading task needs no torch
         )
         return read.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
 

@@ -57,6 +57,9 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
     # B's own throughput, from its reports (and its MFU, on a GPU of known peak: none here).
     assert figures["A"]["reported_throughput"] is None and figures["B"]["reported_throughput"]["median"] > 0
     assert all(f["reported_mfu"] is None and f["mfu"] is None for f in figures.values())
+    # Each rank on the threads its CPUs give it, as torchrun's: B's workers, started ahead with torch
+    # loaded (raytrain_ddp/prestart.py), take Ray's count, not the machine's.
+    assert all(f["threads"] == figures["A"]["threads"] == [1, 1] for f in figures.values())
     # The same batches, model, seed and optimizer: the same weights.
     for side in ("B", "B-async"):
         assert figures[side]["weights_vs_a"] <= 1e-6, side

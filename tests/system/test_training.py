@@ -154,6 +154,29 @@ def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session)
         ray.kill(queue.actor)
 
 
+def test_the_workers_are_the_processes_the_driver_started_ahead(straight, module_workspace):
+    """On a Ray of one node the driver asks the raylet for the workers' processes as it joins
+    (prestart.py), and Ray Train's workers are those: launched before its controller started, where a
+    worker Ray started for the controller would be launched after it (Ray's own record of the run's
+    actors and worker processes)."""
+    import json
+
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    marks = dict(json.loads((module_workspace.storage / "straight" / "timeline.json").read_text())["marks"])
+    fit_ms = (marks["mlflow"] * 1e3, marks["fit returned"] * 1e3)
+    during = [a for a in state.actor_table(None).values() if fit_ms[0] <= a["StartTime"] <= fit_ms[1]]
+    [controller] = [a for a in during if a["ActorClassName"] == "TrainController"]
+    workers = [a for a in during if a["ActorClassName"] == "RayTrainWorker"]
+    launched = {
+        (w := gcs_pb2.WorkerTableData.FromString(row)).pid: w.worker_launch_time_ms
+        for row in state._connect_and_get_accessor().get_worker_table()
+    }
+    assert len(workers) == 2
+    assert all(launched[w["Pid"]] < controller["StartTime"] for w in workers), (controller, workers, launched)
+
+
 def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
     import mlflow
 
