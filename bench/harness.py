@@ -11,6 +11,8 @@ bench/workload.yaml plus the overrides given here):
     B        the same, with Ray already up (as under `ray job submit`)
     B-async  B with checkpoint.upload=async
     B-quiet  B with run.progress_s=0: no live progress (B/B-quiet, same round, is what the display costs)
+    B-fresh, B-cold-fresh   B and B-cold with run.prestart_workers=false: the workers' processes started
+             when Ray Train asks for them, not ahead (against B, same round: what starting them ahead gains)
     B'       B with dataset.source=torch: a torch DataLoader through prepare_data_loader
 
 Every side's model carries the same probe (workload.StepTrace: each forward's start time, per rank),
@@ -54,9 +56,11 @@ sys.path.insert(0, str(BENCH))
 import torchrun_ddp  # noqa: E402  (the same config reader as side A)
 import workload  # noqa: E402
 
-SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")
-WARM = ("B", "B-async", "B'", "B-quiet")  # run while the harness's Ray cluster is up
+SIDES = ("A", "B-cold", "B-cold-fresh", "B", "B-fresh", "B-async", "B'", "B-quiet")
+WARM = ("B", "B-fresh", "B-async", "B'", "B-quiet")  # run while the harness's Ray cluster is up
 SIDE_OVERRIDES = {
+    "B-cold-fresh": ["run.prestart_workers=false"],
+    "B-fresh": ["run.prestart_workers=false"],
     "B-async": ["checkpoint.upload=async"],
     "B'": ["dataset.source=torch"],
     "B-quiet": ["run.progress_s=0"],
@@ -627,6 +631,8 @@ _SIDE_NAMES = {
     "B-async": "B, async ckpt",
     "B'": "B′: torch DataLoader",
     "B-quiet": "B, no live progress",
+    "B-cold-fresh": "B cold, workers not ahead",
+    "B-fresh": "B, workers not ahead",
 }
 
 

@@ -265,6 +265,12 @@ class RunSettings(_Section):
         description="how often Ray Train's controller polls the workers: the delay of progress lines, "
         "failure detection and each checkpoint's record (the workers do not wait for it) (Ray's default: 2)",
     )
+    prestart_workers: bool = Field(
+        True,
+        description="on a Ray of one node, CPU workers: the driver asks Ray for the workers' processes as it "
+        "joins, and they load torch while it builds the datasets and checks the recipe (~1-2 s of a 2-core start); "
+        "false = they start when Ray Train asks for them",
+    )
     resources_wait_s: float = Field(
         600,
         ge=0,

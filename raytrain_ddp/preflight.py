@@ -57,6 +57,7 @@ RESUMABLE = (
     "run.max_failures",
     "run.controller_poll_s",
     "run.resources_wait_s",
+    "run.prestart_workers",
     "run.progress_",
     "mlflow.",
 )

@@ -84,8 +84,10 @@ def start(config: Config, fit_settings: dict[str, str]) -> int:
     returns how many. 0 where it would not pay, or where the raylet did not take the request (the run
     goes on as it would have: its workers start when Ray Train asks for them)."""
     hook = worker_runtime_env(config)
+    if not config.run.prestart_workers or not hook or ray.get_runtime_context().runtime_env:
+        return 0
     alive = [node for node in ray.nodes() if node["Alive"]]
-    if not hook or len(alive) != 1 or ray.get_runtime_context().runtime_env:
+    if len(alive) != 1:
         return 0
     [node] = alive
     count = min(config.scaling.max_workers, _fit_on(node, config.scaling.resources_per_worker))
