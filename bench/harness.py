@@ -1,6 +1,6 @@
 """`make bench`: what Ray and raytrain_ddp cost over a plain torchrun DDP script, side by side.
 
-    python bench/harness.py                       # 1 warm-up round + 5 measured rounds, every side
+    python bench/harness.py                       # 1 warm-up round + 5 measured rounds, the default sides
     python bench/harness.py --rounds 1 --no-warmup --sides A,B key=value ...   # a quick look
 
 Sides, run in alternation in every round (the same workload, bench/workload.py, and settings,
@@ -57,6 +57,7 @@ import torchrun_ddp  # noqa: E402  (the same config reader as side A)
 import workload  # noqa: E402
 
 SIDES = ("A", "B-cold", "B-cold-fresh", "B", "B-fresh", "B-async", "B'", "B-quiet")
+DEFAULT_SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")  # the -fresh ones when asked for
 WARM = ("B", "B-fresh", "B-async", "B'", "B-quiet")  # run while the harness's Ray cluster is up
 SIDE_OVERRIDES = {
     "B-cold-fresh": ["run.prestart_workers=false"],
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", metavar="FILE", help="a YAML layered over bench/workload.yaml (a GPU workload)")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up round")
-    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--sides", default=",".join(DEFAULT_SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--gpu", action="store_true", help="one GPU per worker: NCCL, bf16")
     parser.add_argument("--workers", type=int, help="DDP workers (default: 2 on CPU, every GPU with --gpu)")
     parser.add_argument("--out", default=str(BENCH / "results"), help="where the JSON and Markdown go")
