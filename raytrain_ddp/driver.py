@@ -169,6 +169,7 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
         # settings from the driver's environment when fit() starts.
         settings = session.fit_environment(plan.config.run.controller_poll_s, plan.config.scaling.elastic)
         with progress, session.environment(settings):
+            prestart.taken()
             result = _trainer(plan, run_id, progress).fit()
     except BaseException:
         capacity.release(kept)  # the workers' placement group, where a dead or killed controller left it

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import ray
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as HOOK_ENV
@@ -36,6 +37,8 @@ _CONTROLLER_DEFAULTS = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
 # For the Ray tasks a worker starts (a streamed dataset's reads): they inherit the worker's runtime
 # environment, and must not load a training worker's modules as they start.
 TASKS_RUNTIME_ENV = {"env_vars": {HOOK_ENV: ""}}
+# What this process asked for and no fit() has taken yet, by (Ray job, runtime environment): when.
+_idle: dict[tuple[str, str], float] = {}
 
 
 def preload() -> None:
@@ -93,11 +96,23 @@ def start(config: Config, fit_settings: dict[str, str]) -> int:
     count = min(config.scaling.max_workers, _fit_on(node, config.scaling.resources_per_worker))
     if count < 1:
         return 0
+    job = ray.get_runtime_context().get_job_id()
+    asked = (job, _serialized(workers_env(config, fit_settings)))
+    if asked in _idle and time.monotonic() - _idle[asked] < KEEP_ALIVE_S:
+        return 0  # a run of this process refused after asking left them: this one takes those
     try:
-        _prestart(node, _serialized(workers_env(config, fit_settings)), count)
+        _prestart(node, *asked, count)
     except Exception:  # noqa: BLE001 - an optimization only
         return 0
+    _idle[asked] = time.monotonic()
     return count
+
+
+def taken() -> None:
+    """fit() starts: Ray Train takes the processes asked for. (The raylet starts as many as it is asked
+    for, whatever it has idle: without this record, each run of a process refused after asking, a
+    notebook's say, would leave two more ~0.8 GB processes until their keep-alive ends.)"""
+    _idle.clear()
 
 
 def workers_env(config: Config, fit_settings: dict[str, str]) -> dict[str, str]:
@@ -118,14 +133,14 @@ def _serialized(env_vars: dict[str, str]) -> str:
     return json.dumps({"env_vars": env_vars}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _prestart(node: dict, serialized_env: str, count: int) -> None:
+def _prestart(node: dict, job: str, serialized_env: str, count: int) -> None:
     from ray._private.grpc_utils import init_grpc_channel
     from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
     from ray.core.generated.common_pb2 import Language
 
     request = node_manager_pb2.PrestartWorkersRequest(
         language=Language.PYTHON,
-        job_id=bytes.fromhex(ray.get_runtime_context().get_job_id()),
+        job_id=bytes.fromhex(job),
         keep_alive_duration_secs=KEEP_ALIVE_S,
         num_workers=count,
     )

@@ -177,6 +177,19 @@ def test_the_workers_are_the_processes_the_driver_started_ahead(straight, module
     assert all(launched[w["Pid"]] < controller["StartTime"] for w in workers), (controller, workers, launched)
 
 
+def test_a_process_asks_once_for_the_workers_a_run_refused_after_asking_left(straight):
+    """The raylet starts as many processes as it is asked for, whatever it has idle: a run refused after
+    its driver asked (a notebook's, the tests') leaves them for the next run of the process to take,
+    rather than two more processes each time."""
+    from raytrain_ddp import prestart, session
+
+    _, config, _ = straight
+    settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
+    assert prestart.start(config, settings) == 2
+    assert prestart.start(config, settings) == 0  # those are still idle: the next fit() takes them
+    assert prestart.start(with_overrides(config, "run.prestart_workers=false"), settings) == 0
+
+
 def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
     import mlflow
 
