@@ -78,16 +78,16 @@ def worker_runtime_env(config: Config) -> dict:
     """What the run's workers carry beyond Ray Train's own environment: the preloading hook, on CPU."""
     if config.scaling.use_gpu:
         return {}
-    ddp = config.scaling.max_workers > 1 or config.train.compile
-    return {"env_vars": {HOOK_ENV: f"{__name__}.{(preload_ddp if ddp else preload).__name__}"}}
+    hook = "preload_ddp" if config.scaling.max_workers > 1 or config.train.compile else "preload"
+    return {"env_vars": {HOOK_ENV: f"{__name__}.{hook}"}}
 
 
 def start(config: Config, fit_settings: dict[str, str]) -> int:
     """Ask the local raylet for the run's worker processes, loading their modules as they start;
     returns how many. 0 where it would not pay, or where the raylet did not take the request (the run
     goes on as it would have: its workers start when Ray Train asks for them)."""
-    hook = worker_runtime_env(config)
-    if not config.run.prestart_workers or not hook or ray.get_runtime_context().runtime_env:
+    context = ray.get_runtime_context()
+    if not config.run.prestart_workers or config.scaling.use_gpu or context.runtime_env:
         return 0
     alive = [node for node in ray.nodes() if node["Alive"]]
     if len(alive) != 1:
@@ -96,8 +96,7 @@ def start(config: Config, fit_settings: dict[str, str]) -> int:
     count = min(config.scaling.max_workers, _fit_on(node, config.scaling.resources_per_worker))
     if count < 1:
         return 0
-    job = ray.get_runtime_context().get_job_id()
-    asked = (job, _serialized(workers_env(config, fit_settings)))
+    asked = (context.get_job_id(), _serialized(workers_env(config, fit_settings)))
     if asked in _idle and time.monotonic() - _idle[asked] < KEEP_ALIVE_S:
         return 0  # a run of this process refused after asking left them: this one takes those
     try:
