@@ -9,6 +9,7 @@ The command starts (or joins) it on a thread while it imports torch and Ray Trai
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -159,7 +160,14 @@ def leave() -> None:
     """Leave Ray, stopping the local one this process started. Its autoscaler monitor is killed first,
     at once: asked to stop, it first reports its own death to the Ray going down around it, and that
     used up the one second Ray's shutdown gives each process (1.0 of the 1.3 s the shutdown took,
-    measured; 0.3-0.6 s now). It holds nothing that its end could lose."""
+    measured; 0.3-0.6 s now). It holds nothing that its end could lose.
+
+    Nothing is garbage-collected while Ray shuts down: a cycle freed then that holds a Ray object's
+    reference (Ray Train's results hold some) makes Ray's core worker end the process with status 1
+    ("The core worker has already been shutdown"). The collector runs on whichever thread allocates,
+    such as the model-logging rehearsal still importing when a registration failed at once, and
+    gc.disable() would not stop a thread calling gc.collect(); frozen, what exists now is collected
+    after Ray has gone, where freeing a reference does nothing."""
     global _started
     if _started is not None:  # stopped before `connect` took it up (Ctrl-C, a refusal): wait, then stop it
         started, _started = _started, None
@@ -169,7 +177,11 @@ def leave() -> None:
     if node is not None:
         with contextlib.suppress(Exception):
             node.kill_monitor(check_alive=False)
-    ray.shutdown()
+    gc.freeze()
+    try:
+        ray.shutdown()
+    finally:
+        gc.unfreeze()
 
 
 def quiet_logs(verbose: bool) -> None:
