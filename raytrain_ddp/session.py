@@ -37,6 +37,12 @@ MLFLOW_LOG_LEVEL_ENV = "MLFLOW_LOGGING_LEVEL"  # read by mlflow as it is importe
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 _PRESTART = "prestart_worker_first_driver"  # Ray's idle workers, started as a first driver connects
+# Ray Data's usage collection (new in Ray 2.60), on in a driver that joins a cluster unless Ray's usage
+# stats are off there (a Ray that ray.init starts turns them off in the process): each process that
+# executes a dataset starts a thread polling the cluster's metrics, and the first creates a detached
+# actor, one more process (1.3 CPU-seconds, measured) started beside the run's first step. It feeds
+# only Ray's usage report; Ray's own usage stats setting is left as it is.
+DATA_USAGE_OFF_ENV = "RAY_DATA_USAGE_DISABLED"
 # MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
 # is down should cost seconds and a clear message instead. Where the environment sets them, it wins.
 BOUNDED_RETRIES = {
@@ -123,6 +129,7 @@ def connect(address: RayAddress, verbose: bool) -> None:
     (or `start` began it: then wait for it). A cluster that accepts the connection but does not answer
     like a Ray GCS raises ConnectionError."""
     global _started
+    os.environ.setdefault(DATA_USAGE_OFF_ENV, "1")  # for this process's executions; the environment's wins
     if _started is not None:
         started, _started = _started, None
         started.result()

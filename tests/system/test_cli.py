@@ -327,6 +327,41 @@ def test_leaving_ray_while_another_thread_collects_garbage_keeps_the_commands_ex
     assert 0 < int(done.stdout.split()[-1]) < 2000  # the thread collected throughout, and outlived the shutdown
 
 
+EXAMPLE_ROWS_OF_A_LAZY_DATASET = """
+import json, sys, threading
+import ray
+from raytrain_ddp import data, session
+from raytrain_ddp.ray_address import RayAddress
+
+session.connect(RayAddress(join=sys.argv[1]), False)
+lazy = ray.data.range(64).map_batches(lambda batch: {"x": batch["id"] * 2})
+rows = data.example_batch(lazy, 0)  # an execution, in the driver
+print(json.dumps({"rows": rows["x"].tolist(), "threads": [t.name for t in threading.enumerate()]}))
+"""
+
+
+def test_a_drivers_dataset_executions_start_no_ray_data_usage_collection(ray_session):
+    """Ray Data's usage collection is off in a driver that joined a cluster (a Ray that ray.init
+    starts has Ray's usage stats off already, and with them Ray Data's): executing a dataset there (a
+    lazy one's example rows) starts no thread polling the cluster's metrics, nor the detached actor
+    it feeds (one more process, 1.3 CPU-seconds beside the first step). Without `session`'s setting
+    the thread runs: checked."""
+    import ray
+
+    shell = {k: v for k, v in user_env().items() if k != "RAY_USAGE_STATS_ENABLED"}  # set by this session's ray.init
+    done = subprocess.run(
+        [sys.executable, "-c", EXAMPLE_ROWS_OF_A_LAZY_DATASET, ray.get_runtime_context().gcs_address],
+        env=shell,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["rows"] == [0, 2]
+    assert "data-usage-metrics-poller" not in seen["threads"], seen["threads"]
+
+
 @contextlib.contextmanager
 def _ctrl_c_as_in_a_terminal() -> Iterator[None]:
     """Children started meanwhile take SIGINT as a terminal's foreground command does. A test run
