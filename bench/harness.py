@@ -13,6 +13,8 @@ bench/workload.yaml plus the overrides given here):
     B-quiet  B with run.progress_s=0: no live progress (B/B-quiet, same round, is what the display costs)
     B-fresh, B-cold-fresh   B and B-cold with run.prestart_workers=false: the workers' processes started
              when Ray Train asks for them, not ahead (against B, same round: what starting them ahead gains)
+    B-usage  B with Ray Data's usage collection on in the driver (RAY_DATA_USAGE_DISABLED=0), as before
+             the driver turned it off (against B, same round: what that gains)
     B'       B with dataset.source=torch: a torch DataLoader through prepare_data_loader
 
 Every side's model carries the same probe (workload.StepTrace: each forward's start time, per rank),
@@ -56,9 +58,9 @@ sys.path.insert(0, str(BENCH))
 import torchrun_ddp  # noqa: E402  (the same config reader as side A)
 import workload  # noqa: E402
 
-SIDES = ("A", "B-cold", "B-cold-fresh", "B", "B-fresh", "B-async", "B'", "B-quiet")
-DEFAULT_SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")  # the -fresh ones when asked for
-WARM = ("B", "B-fresh", "B-async", "B'", "B-quiet")  # run while the harness's Ray cluster is up
+SIDES = ("A", "B-cold", "B-cold-fresh", "B", "B-fresh", "B-usage", "B-async", "B'", "B-quiet")
+DEFAULT_SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")  # the -fresh and -usage ones when asked for
+WARM = ("B", "B-fresh", "B-usage", "B-async", "B'", "B-quiet")  # run while the harness's Ray cluster is up
 SIDE_OVERRIDES = {
     "B-cold-fresh": ["run.prestart_workers=false"],
     "B-fresh": ["run.prestart_workers=false"],
@@ -66,6 +68,7 @@ SIDE_OVERRIDES = {
     "B'": ["dataset.source=torch"],
     "B-quiet": ["run.progress_s=0"],
 }
+SIDE_ENV = {"B-usage": {"RAY_DATA_USAGE_DISABLED": "0"}}  # the driver's environment, beyond the harness's
 DROP_FIRST_STEPS = 5  # of each epoch: iterator start-up, not the steady state
 # The goals (issue 16), each judged on the worst measured round, so a lucky round cannot make a miss look met.
 GOALS = {
@@ -254,6 +257,7 @@ class Bench:
             ]
             if side in WARM:
                 env |= self.cluster_env
+            env |= SIDE_ENV.get(side, {})
         log = directory / "log.txt"
         with open(log, "w") as out:
             launched = time.time()
@@ -634,6 +638,7 @@ _SIDE_NAMES = {
     "B-quiet": "B, no live progress",
     "B-cold-fresh": "B cold, workers not ahead",
     "B-fresh": "B, workers not ahead",
+    "B-usage": "B, Ray Data usage collection on",
 }
 
 

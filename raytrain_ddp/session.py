@@ -169,9 +169,9 @@ def leave() -> None:
     used up the one second Ray's shutdown gives each process (1.0 of the 1.3 s the shutdown took,
     measured; 0.3-0.6 s now). It holds nothing that its end could lose.
 
-    Nothing is garbage-collected while Ray shuts down: a cycle freed then that holds a Ray object's
-    reference (Ray Train's results hold some) makes Ray's core worker end the process with status 1
-    ("The core worker has already been shutdown"). The collector runs on whichever thread allocates,
+    Nothing is garbage-collected while Ray shuts down: a cycle freed then that holds a reference to a
+    Ray object makes Ray's core worker end the process with status 1 ("The core worker has already
+    been shutdown"; a driver exited 1 instead of 3 once). The collector runs on whichever thread allocates,
     such as the model-logging rehearsal still importing when a registration failed at once, and
     gc.disable() would not stop a thread calling gc.collect(); frozen, what exists now is collected
     after Ray has gone, where freeing a reference does nothing."""
