@@ -295,7 +295,7 @@ ray.init(address=sys.argv[1], log_to_driver=False)
 class Cycle:
     def __init__(self, ref):
         self.ref, self.me = ref, self
-held = [Cycle(ray.put(i)) for i in range(2000)]  # cyclic garbage once dropped, as Ray Train's results leave
+held = [Cycle(ray.put(i)) for i in range(2000)]  # cyclic garbage once dropped, each holding a Ray reference
 def collect():  # a thread that allocates, as the model-logging rehearsal importing: the collector runs on it
     while held:
         held.pop()
@@ -343,9 +343,9 @@ print(json.dumps({"rows": rows["x"].tolist(), "threads": [t.name for t in thread
 def test_a_drivers_dataset_executions_start_no_ray_data_usage_collection(ray_session):
     """Ray Data's usage collection is off in a driver that joined a cluster (a Ray that ray.init
     starts has Ray's usage stats off already, and with them Ray Data's): executing a dataset there (a
-    lazy one's example rows) starts no thread polling the cluster's metrics, nor the detached actor
-    it feeds (one more process, 1.3 CPU-seconds beside the first step). Without `session`'s setting
-    the thread runs: checked."""
+    lazy one's example rows) starts no thread polling the cluster's metrics (the same path creates
+    the detached actor it feeds: one more process, 1.3 CPU-seconds beside the first step). Without
+    `session`'s setting the thread runs: checked."""
     import ray
 
     shell = {k: v for k, v in user_env().items() if k != "RAY_USAGE_STATS_ENABLED"}  # set by this session's ray.init
