@@ -137,6 +137,9 @@ def _train(args: argparse.Namespace) -> int:
 
     if _new_run(config):  # Ray starts (or is joined) while torch and Ray Train load
         session.start(address, args.verbose)
+    elif (busy := _held_by_another_driver(config)) is not None:  # in a second, before torch and Ray load
+        print(f"error: {busy}", file=sys.stderr)
+        return 2
     try:
         from raytrain_ddp.driver import run  # torch and Ray, only to train (MLflow comes while Ray starts)
         from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
@@ -178,6 +181,19 @@ def _new_run(config: Config) -> bool:
 
     name, path = config.run.name, config.run.storage_path
     return name is None or not storage.is_uri(path) and not Path(storage.absolute(path), name).exists()
+
+
+def _held_by_another_driver(config: Config) -> str | None:
+    """Why a run found on local storage cannot be trained now: a live driver holds it (the run's own
+    check, under the lease it takes, says the same later)."""
+    from raytrain_ddp import lease, storage
+    from raytrain_ddp.lease import RunBusy
+
+    try:
+        lease.check(f"{storage.absolute(config.run.storage_path)}/{config.run.name}")
+    except RunBusy as e:
+        return str(e)
+    return None
 
 
 def _leave_ray() -> None:
