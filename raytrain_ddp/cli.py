@@ -180,17 +180,23 @@ def _new_run(config: Config) -> bool:
     from raytrain_ddp import storage
 
     name, path = config.run.name, config.run.storage_path
-    return name is None or not storage.is_uri(path) and not Path(storage.absolute(path), name).exists()
+    return name is None or not storage.is_uri(path) and not _local_run_path(config).exists()
+
+
+def _local_run_path(config: Config) -> Path:
+    from raytrain_ddp import storage
+
+    return Path(storage.absolute(config.run.storage_path), config.run.name)
 
 
 def _held_by_another_driver(config: Config) -> str | None:
     """Why a run found on local storage cannot be trained now: a live driver holds it (the run's own
     check, under the lease it takes, says the same later)."""
-    from raytrain_ddp import lease, storage
+    from raytrain_ddp import lease
     from raytrain_ddp.lease import RunBusy
 
     try:
-        lease.check(f"{storage.absolute(config.run.storage_path)}/{config.run.name}")
+        lease.check(str(_local_run_path(config)))
     except RunBusy as e:
         return str(e)
     return None
