@@ -180,23 +180,24 @@ def _new_run(config: Config) -> bool:
     from raytrain_ddp import storage
 
     name, path = config.run.name, config.run.storage_path
-    return name is None or not storage.is_uri(path) and not _local_run_path(config).exists()
+    return name is None or not storage.is_uri(path) and not Path(_run_path(config)).exists()
 
 
-def _local_run_path(config: Config) -> Path:
+def _run_path(config: Config) -> str:
+    """The named run's directory: an absolute local path, or a URI (s3://bucket/prefix/name)."""
     from raytrain_ddp import storage
 
-    return Path(storage.absolute(config.run.storage_path), config.run.name)
+    return f"{storage.absolute(config.run.storage_path)}/{config.run.name}"
 
 
 def _held_by_another_driver(config: Config) -> str | None:
-    """Why a run found on local storage cannot be trained now: a live driver holds it (the run's own
-    check, under the lease it takes, says the same later)."""
+    """Why a run found on storage cannot be trained now: a live driver holds it (the run's own check,
+    under the lease it takes, says the same later)."""
     from raytrain_ddp import lease
     from raytrain_ddp.lease import RunBusy
 
     try:
-        lease.check(str(_local_run_path(config)))
+        lease.check(_run_path(config))
     except RunBusy as e:
         return str(e)
     return None

@@ -110,3 +110,21 @@ def test_ctrl_c_while_a_recipe_imports_says_so_without_a_traceback(tmp_path):
     assert result.returncode == 130, result.stderr[-3000:]
     assert result.stderr == "interrupted (Ctrl-C)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow_to_import.py"]
+
+
+@pytest.mark.parametrize("uri", [False, True], ids=["local path", "URI"])
+def test_a_run_a_live_driver_holds_is_refused_before_ray_loads(raytrain_ddp, tmp_path, uri):
+    """On local storage or behind a URI (file:// here, as s3:// goes): the lease is read as it is named."""
+    from test_lease import _write_holder
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_holder(tmp_path / "runs" / "held", pid=sleeper.pid)
+        storage = f"file://{tmp_path}/runs" if uri else str(tmp_path / "runs")
+        result = raytrain_ddp("train", "digits", f"run.storage_path={storage}", "run.name=held", cwd=tmp_path)
+    finally:
+        sleeper.kill()
+
+    assert result.returncode == 2, result.stderr
+    assert f"error: run held is being trained by another driver (pid {sleeper.pid} on " in result.stderr
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
