@@ -113,8 +113,9 @@ def test_ctrl_c_while_a_recipe_imports_says_so_without_a_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("uri", [False, True], ids=["local path", "URI"])
-def test_a_run_a_live_driver_holds_is_refused_before_ray_loads(raytrain_ddp, tmp_path, uri):
-    """On local storage or behind a URI (file:// here, as s3:// goes): the lease is read as it is named."""
+def test_a_run_a_live_driver_holds_is_refused_at_once_writing_nothing(raytrain_ddp, tmp_path, uri):
+    """On local storage or behind a URI (file:// here, as s3:// goes): the lease is read as it is named,
+    before Ray starts (nothing but the run's directory in the working directory, no MLflow store)."""
     from test_lease import _write_holder
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -127,4 +128,5 @@ def test_a_run_a_live_driver_holds_is_refused_before_ray_loads(raytrain_ddp, tmp
 
     assert result.returncode == 2, result.stderr
     assert f"error: run held is being trained by another driver (pid {sleeper.pid} on " in result.stderr
-    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+    assert [p.name for p in (tmp_path / "runs" / "held").iterdir()] == ["driver.json"]
