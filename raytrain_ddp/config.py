@@ -267,9 +267,9 @@ class RunSettings(_Section):
     )
     prestart_workers: bool = Field(
         True,
-        description="on a Ray of one node, CPU workers: the driver asks Ray for the workers' processes as it "
-        "joins, and they load torch while it builds the datasets and checks the recipe (~1-2 s of a 2-core start); "
-        "false = they start when Ray Train asks for them",
+        description="the driver asks Ray for Ray Train's processes ahead: on a Ray of one node, CPU workers', as it "
+        "joins (they load torch while it builds the datasets and checks the recipe: ~1-2 s of a 2-core start); "
+        "the controller's, once the datasets are built; false = they start when Ray Train asks for them",
     )
     resources_wait_s: float = Field(
         600,

@@ -135,10 +135,13 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             _connect(config, standing.address, verbose)
             capacity.start_coordinator()  # Ray Train's controller waits for it: it starts while the datasets build
             # The workers' processes, loading torch while the datasets build and the recipe is checked.
-            prestart.start(config, session.fit_environment(config.run.controller_poll_s, config.scaling.elastic))
+            fit_settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
+            prestart.start(config, fit_settings)
         timeline.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
+            # The controller's process, now that the workers' have started (prestart.start_controller).
+            prestart.start_controller(config, fit_settings)
             train_rows = data.num_rows(datasets["train"])
             timeline.mark("datasets")
             example = data.example_batch(datasets["val"], config.seed)

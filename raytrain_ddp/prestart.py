@@ -1,23 +1,27 @@
-"""Ray Train's workers started ahead, their modules loaded while the driver still prepares the run.
+"""Ray Train's processes started ahead: the workers', their modules loaded, and the controller's, while
+the driver still prepares the run.
 
 A Ray Train worker is a new Python process that imports Ray, torch, Ray Train's worker and, as DDP
 wraps the model, torch's compiler stack (`DistributedDataParallel.__init__` reads `torch._dynamo`'s
-config): ~4 CPU-seconds each, all of it after the controller asks for the worker. Ray gives a new
-actor an idle worker process of the same runtime environment if it has one; Ray Train's workers
-carry one (the environment variables Ray Train passes on), so the ones Ray starts for a first driver
-never serve them. The driver asks the local raylet for the run's worker processes with exactly that
-runtime environment as soon as it has joined Ray (`start`), and each loads those modules as it
-starts (`preload`, run by Ray as the workers' setup hook, `worker_runtime_env`): Ray Train's workers
-are then these processes, their imports done while the driver built the datasets, checked the recipe
-and started the controller (~1-2 s of a 2-core machine's start, bench/README.md).
+config): ~4 CPU-seconds each, all of it after the controller asks for the worker. Ray Train's
+controller is a new process too, started as fit() begins. Ray gives a new actor an idle worker
+process of the same runtime environment if it has one; Ray Train's controller and workers carry one
+(the environment variables Ray Train passes on), so the processes Ray starts for a first driver never
+serve them. The driver asks its node's raylet for the run's processes with exactly those runtime
+environments: the workers' as soon as it has joined Ray (`start`), each loading their modules as it
+starts (`preload`, run by Ray as the workers' setup hook, `worker_runtime_env`); the controller's
+(and its synchronization actor's) once the datasets are built (`start_controller`). Ray Train's
+controller and workers are then these processes, started while the driver built the datasets and
+checked the recipe (bench/README.md).
 
-Only where it is sure to pay: a cluster of one node (every worker lands on it), a driver without a
-runtime environment of its own (`ray job submit --working-dir` gives one: Ray merges it into the
-workers', and the match would need Ray's merge), and CPU workers (a GPU worker's devices are set as
-its actor starts, after the hook). Processes the run does not take (it is refused after this point)
-belong to the driver's job: Ray ends them with it, or hands them to its next run in the same process
-(a notebook's). Ray's own API for this (`CoreWorker.PrestartWorkers`) has no Python binding in Ray
-2.60, so the driver sends the raylet's `PrestartWorkers` request itself.
+The workers only where it is sure to pay: a cluster of one node (every worker lands on it) and CPU
+workers (a GPU worker's devices are set as its actor starts, after the hook); the controller always
+lands on the driver's node. None where the driver has a runtime environment of its own (`ray job
+submit --working-dir` gives one: Ray merges it into the run's, and the match would need Ray's merge).
+Processes the run does not take (it is refused after this point) belong to the driver's job: Ray ends
+them with it, or hands them to its next run in the same process (a notebook's). Ray's own API for this
+(`CoreWorker.PrestartWorkers`) has no Python binding in Ray 2.60, so the driver sends the raylet's
+`PrestartWorkers` request itself.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as HOOK
 from raytrain_ddp.config import Config
 
 KEEP_ALIVE_S = 300  # how long the raylet keeps them for this job, unused, before its idle-worker rules apply
-# Ray Train's controller sets it for itself (setdefault) and passes it on to each worker it starts.
+# In the controller's runtime environment unless the driver's sets it (setdefault), so in the workers'.
 _CONTROLLER_DEFAULTS = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
 # For the Ray tasks a worker starts (a streamed dataset's reads): they inherit the worker's runtime
 # environment, and must not load a training worker's modules as they start.
@@ -86,25 +90,28 @@ def start(config: Config, fit_settings: dict[str, str]) -> int:
     """Ask the local raylet for the run's worker processes, loading their modules as they start;
     returns how many. 0 where it would not pay, or where the raylet did not take the request (the run
     goes on as it would have: its workers start when Ray Train asks for them)."""
-    context = ray.get_runtime_context()
-    if not config.run.prestart_workers or config.scaling.use_gpu or context.runtime_env:
-        return 0
     alive = [node for node in ray.nodes() if node["Alive"]]
-    if len(alive) != 1:
+    here = _here(config, alive)
+    if here is None or len(alive) != 1 or config.scaling.use_gpu:
         return 0
-    [node] = alive
-    count = min(config.scaling.max_workers, _fit_on(node, config.scaling.resources_per_worker))
+    count = min(config.scaling.max_workers, _fit_on(here, config.scaling.resources_per_worker))
     if count < 1:
         return 0
-    asked = (context.get_job_id(), _serialized(workers_env(config, fit_settings)))
-    if asked in _idle and time.monotonic() - _idle[asked] < KEEP_ALIVE_S:
-        return 0  # a run of this process refused after asking left them: this one takes those
-    try:
-        _prestart(node, *asked, count)
-    except Exception:  # noqa: BLE001 - an optimization only
+    env_vars = controller_env(fit_settings) | worker_runtime_env(config)["env_vars"]
+    return _ask(here, _as_the_controller_sends({"env_vars": env_vars}), count)
+
+
+def start_controller(config: Config, fit_settings: dict[str, str]) -> int:
+    """Ask the local raylet for two processes of Ray Train's controller's runtime environment: the
+    controller's, and its synchronization actor's (which inherits that environment); both are placed
+    on the driver's node, here, whatever the cluster. Returns 2, or 0 as `start` does. Asked once the
+    workers' processes have started (after the datasets are built): a raylet starts at most as many
+    processes at once as its node has CPUs and drops the rest of a request (on 2 CPUs, the controller's
+    asked first left one worker to start when Ray Train asked for it)."""
+    here = _here(config, [node for node in ray.nodes() if node["Alive"]])
+    if here is None:
         return 0
-    _idle[asked] = time.monotonic()
-    return count
+    return _ask(here, _as_the_driver_sends({"env_vars": controller_env(fit_settings)}), 2)
 
 
 def taken() -> None:
@@ -114,22 +121,50 @@ def taken() -> None:
     _idle.clear()
 
 
-def workers_env(config: Config, fit_settings: dict[str, str]) -> dict[str, str]:
-    """The environment variables of the run's workers: those Ray Train's controller gets (the ones it
-    propagates from the driver's environment as fit() starts, under `fit_settings`, and its own
-    default), merged with the run's (`worker_runtime_env`)."""
+def controller_env(fit_settings: dict[str, str]) -> dict[str, str]:
+    """The environment variables of Ray Train's controller, its runtime environment: those it
+    propagates from the driver's environment as fit() starts (under `fit_settings`), and its default."""
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
 
     driver = os.environ | fit_settings
-    controller = _CONTROLLER_DEFAULTS | {key: driver[key] for key in ENV_VARS_TO_PROPAGATE if key in driver}
-    return controller | worker_runtime_env(config)["env_vars"]
+    return _CONTROLLER_DEFAULTS | {key: driver[key] for key in ENV_VARS_TO_PROPAGATE if key in driver}
 
 
-def _serialized(env_vars: dict[str, str]) -> str:
-    """The workers' runtime environment as the raylet will see it from the controller: merged with the
-    controller's by Ray's core worker, which writes it as nlohmann::json's dump() does (compact, keys
-    sorted). The raylet matches an idle worker to an actor by a hash of this string."""
-    return json.dumps({"env_vars": env_vars}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _as_the_driver_sends(runtime_env: dict) -> str:
+    """An actor's runtime environment as the raylet sees it from a driver without one of its own: as
+    Ray's Python API writes it (`RuntimeEnv.serialize`: json.dumps, keys sorted). The raylet matches an
+    idle worker to an actor by a hash of this string."""
+    return json.dumps(runtime_env, sort_keys=True)
+
+
+def _as_the_controller_sends(runtime_env: dict) -> str:
+    """An actor's runtime environment as the raylet sees it from the controller, an actor with one:
+    merged with the controller's by Ray's core worker, which writes it as nlohmann::json's dump() does
+    (compact, keys sorted)."""
+    return json.dumps(runtime_env, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _here(config: Config, alive: list[dict]) -> dict | None:
+    """The driver's node, where the run's processes may be started ahead: the run allows it, and the
+    driver has no runtime environment of its own."""
+    context = ray.get_runtime_context()
+    if not config.run.prestart_workers or context.runtime_env:
+        return None
+    return next((node for node in alive if node["NodeID"] == context.get_node_id()), None)
+
+
+def _ask(node: dict, serialized_env: str, count: int) -> int:
+    """Ask `node`'s raylet for `count` processes of this runtime environment, unless this process did
+    and no fit() has taken them yet; returns how many it asked for."""
+    key = (ray.get_runtime_context().get_job_id(), serialized_env)
+    if key in _idle and time.monotonic() - _idle[key] < KEEP_ALIVE_S:
+        return 0  # a run of this process refused after asking left them: this one takes those
+    try:
+        _prestart(node, *key, count)
+    except Exception:  # noqa: BLE001 - an optimization only
+        return 0
+    _idle[key] = time.monotonic()
+    return count
 
 
 def _prestart(node: dict, job: str, serialized_env: str, count: int) -> None:

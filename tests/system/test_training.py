@@ -154,11 +154,12 @@ def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session)
         ray.kill(queue.actor)
 
 
-def test_the_workers_are_the_processes_the_driver_started_ahead(straight, module_workspace):
-    """On a Ray of one node the driver asks the raylet for the workers' processes as it joins
-    (prestart.py), and Ray Train's workers are those: launched before its controller started, where a
-    worker Ray started for the controller would be launched after it (Ray's own record of the run's
-    actors and worker processes)."""
+def test_the_controller_and_workers_are_the_processes_the_driver_started_ahead(straight, module_workspace):
+    """On a Ray of one node the driver asks the raylet for the workers' processes as it joins, and for
+    the controller's and its synchronization actor's once the datasets are built (prestart.py); Ray
+    Train's are those: the controller's and the synchronization actor's launched before fit() began,
+    the workers' before the controller started, where processes Ray started for them would be launched
+    after (Ray's own record of the run's actors and worker processes)."""
     import json
 
     from ray._private.state import state
@@ -168,12 +169,14 @@ def test_the_workers_are_the_processes_the_driver_started_ahead(straight, module
     fit_ms = (marks["mlflow"] * 1e3, marks["fit returned"] * 1e3)
     during = [a for a in state.actor_table(None).values() if fit_ms[0] <= a["StartTime"] <= fit_ms[1]]
     [controller] = [a for a in during if a["ActorClassName"] == "TrainController"]
+    [sync] = [a for a in during if a["ActorClassName"] == "SynchronizationActor"]
     workers = [a for a in during if a["ActorClassName"] == "RayTrainWorker"]
     launched = {
         (w := gcs_pb2.WorkerTableData.FromString(row)).pid: w.worker_launch_time_ms
         for row in state._connect_and_get_accessor().get_worker_table()
     }
     assert len(workers) == 2
+    assert launched[controller["Pid"]] < fit_ms[0] and launched[sync["Pid"]] < fit_ms[0], (controller, sync, launched)
     assert all(launched[w["Pid"]] < controller["StartTime"] for w in workers), (controller, workers, launched)
 
 
@@ -186,8 +189,11 @@ def test_a_process_asks_once_for_the_workers_a_run_refused_after_asking_left(str
     _, config, _ = straight
     settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
     assert prestart.start(config, settings) == 2
+    assert prestart.start_controller(config, settings) == 2
     assert prestart.start(config, settings) == 0  # those are still idle: the next fit() takes them
+    assert prestart.start_controller(config, settings) == 0
     assert prestart.start(with_overrides(config, "run.prestart_workers=false"), settings) == 0
+    assert prestart.start_controller(with_overrides(config, "run.prestart_workers=false"), settings) == 0
 
 
 def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
