@@ -187,7 +187,7 @@ def _run_path(config: Config) -> str:
     """The named run's directory: an absolute local path, or a URI (s3://bucket/prefix/name)."""
     from raytrain_ddp import storage
 
-    return f"{storage.absolute(config.run.storage_path)}/{config.run.name}"
+    return storage.absolute(config.run.path)
 
 
 def _held_by_another_driver(config: Config) -> str | None:

@@ -290,6 +290,11 @@ class RunSettings(_Section):
         "most this often between reports, instead of the live display",
     )
 
+    @property
+    def path(self) -> str:
+        """The run's directory, <storage_path>/<name>: absolute, or a URI, once the config is resolved."""
+        return f"{self.storage_path}/{self.name}"
+
     @model_validator(mode="after")
     def _name_is_a_directory_name(self) -> RunSettings:
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):

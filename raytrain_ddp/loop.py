@@ -431,7 +431,7 @@ def _resume(
     first epoch) and the names of the checkpoints skipped, which training will pass again and must
     not overwrite."""
     latest = ray.train.get_checkpoint()
-    run_path = f"{config.run.storage_path}/{config.run.name}"
+    run_path = config.run.path
     unrecorded = ckpt.unrecorded(run_path, None if latest is None else Path(latest.path).name)
     if latest is None and not unrecorded:
         return None, frozenset()
@@ -567,7 +567,7 @@ def _retried() -> dict[str, str]:
 
 def _upload_failed(name: str, config: Config, error: OSError) -> tuple[bool, str]:
     """Whether the run stops, and why: its checkpoint `name` could not be written to storage."""
-    destination = f"{config.run.storage_path}/{config.run.name}/{name}"
+    destination = f"{config.run.path}/{name}"
     stops = True
     if storage.is_full(error):
         fix = "the storage is full: free space there (or point run.storage_path elsewhere), then resume"

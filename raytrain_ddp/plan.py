@@ -111,7 +111,7 @@ def stand(config: Config) -> Standing:
     or RunFailed for a run whose checkpoints are all damaged."""
     named = config.run.name is not None
     config = _resolve(config, layering.origin_of(config).job.name)
-    run_path = f"{config.run.storage_path}/{config.run.name}"
+    run_path = config.run.path
     address = preflight.check_before_ray(config, run_path)
     resume = _resume_point(run_path, config)
     if resume.saved_config is not None and (conflicts := preflight.resume_conflicts(resume.saved_config, config)):
