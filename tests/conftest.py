@@ -78,28 +78,31 @@ def record():
 
 
 FILE_SECONDS: dict[str, float] = {}  # each test file's setup, call and teardown time: where the suite's time goes
-# Each test's wall time and the machine's CPU time over it (/proc/stat, every process's, the test's own
-# Ray and servers included): a test whose cores sit idle waits (a timeout, a poll, a server), and
-# waiting is cut differently from work.
-TEST_CPU: dict[str, tuple[float, float]] = {}
+# Each test's wall time, the machine's CPU time over it and its cores' time waiting on the disk
+# (/proc/stat, every process's, the test's own Ray and servers included): a test whose cores sit idle
+# waits (a timeout, a poll, a server, or files read from a disk the page cache lost), and waiting is
+# cut differently from work.
+TEST_CPU: dict[str, tuple[float, float, float]] = {}
 
 
-def _cpu_seconds() -> float | None:
-    """The machine's busy CPU time so far, all cores (Linux; None elsewhere)."""
+def _cpu_seconds() -> tuple[float, float] | None:
+    """The machine's busy CPU time so far and its time waiting on I/O, all cores (Linux; None elsewhere)."""
     try:
         with open("/proc/stat") as stat:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+            user, nice, system, _idle, iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
     except (OSError, ValueError):
         return None
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / tick, iowait / tick
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item):
-    started, busy = time.monotonic(), _cpu_seconds()
+    started, before = time.monotonic(), _cpu_seconds()
     yield
-    if busy is not None:
-        TEST_CPU[item.nodeid] = (time.monotonic() - started, _cpu_seconds() - busy)
+    if before is not None:
+        (busy, iowait), wall = _cpu_seconds(), time.monotonic() - started
+        TEST_CPU[item.nodeid] = (wall, busy - before[0], iowait - before[1])
 
 
 def pytest_runtest_logreport(report):
@@ -112,7 +115,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("time by file")
         total, cores = sum(FILE_SECONDS.values()), os.cpu_count() or 1
         busy = {}
-        for nodeid, (_, cpu) in TEST_CPU.items():
+        for nodeid, (_, cpu, _) in TEST_CPU.items():
             path = nodeid.split("::", 1)[0]
             busy[path] = busy.get(path, 0.0) + cpu
         for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
@@ -122,11 +125,17 @@ def pytest_terminal_summary(terminalreporter):
     if TEST_CPU:
         terminalreporter.section("time the cores sat idle, by test")
         cores = os.cpu_count() or 1
-        idle = {nodeid: wall - cpu / cores for nodeid, (wall, cpu) in TEST_CPU.items()}
+        idle = {nodeid: wall - cpu / cores for nodeid, (wall, cpu, _) in TEST_CPU.items()}
+        disk = {nodeid: iowait / cores for nodeid, (_, _, iowait) in TEST_CPU.items()}
         for nodeid, seconds in sorted(idle.items(), key=lambda item: -item[1])[:15]:
             wall = TEST_CPU[nodeid][0]
-            terminalreporter.write_line(f"{seconds:8.1f} s idle of {wall:6.1f} s  {nodeid}")
-        terminalreporter.write_line(f"{sum(idle.values()):8.1f} s idle in all, {cores} cores")
+            terminalreporter.write_line(
+                f"{seconds:8.1f} s idle of {wall:6.1f} s ({disk[nodeid]:5.1f} s of it on the disk)  {nodeid}"
+            )
+        terminalreporter.write_line(
+            f"{sum(idle.values()):8.1f} s idle in all ({sum(disk.values()):.1f} s of it waiting on the disk), "
+            f"{cores} cores"
+        )
     if not SCENARIOS:
         return
     columns = ["scenario", "attempts", "resumed", "wasted", "checkpoints", "versions", "note"]

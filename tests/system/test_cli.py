@@ -217,9 +217,28 @@ def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(demo, ray
     name = re.search(r"run\.name=(digits-\S+)", trained.stdout).group(1)
     command = ["train", "digits", f"run.name={name}"]
 
-    started = time.monotonic()
-    again = raytrain_ddp(*command, cwd=tmp_path, env={"RAY_TMPDIR": str(ray_tmp)})
-    took = time.monotonic() - started
+    # From Python too: the same answer, as the run's summary, and no Ray started (in a process of its
+    # own: this one may have a Ray already), side by side with the command (neither writes anything).
+    script = f"""
+import io, json, ray
+from rich.console import Console
+from raytrain_ddp import load_config, run
+summary = run(load_config({command[1]!r}, overrides={command[2:]!r}), console=Console(file=io.StringIO()))
+print(json.dumps([summary.already_finished, summary.attempts, summary.model.version, summary.best_checkpoint,
+                  ray.is_initialized()]))
+"""
+    with subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as python:
+        started = time.monotonic()
+        again = raytrain_ddp(*command, cwd=tmp_path, env={"RAY_TMPDIR": str(ray_tmp)})
+        took = time.monotonic() - started
+        out, err = python.communicate(timeout=300)
     assert not (ray_tmp / "ray").exists()  # no Ray started, not even while the command loaded
 
     assert again.returncode == 0, again.stderr[-3000:]
@@ -229,21 +248,8 @@ def test_a_finished_run_run_again_says_so_at_once_without_starting_ray(demo, ray
     assert again.stderr == ""
     assert took < 30  # was 76 s: Ray started, the workers trained nothing, registration found its version
 
-    # From Python: the same answer, as the run's summary, and no Ray started (in a process of its own:
-    # this one may have a Ray already).
-    script = f"""
-import io, json, ray
-from rich.console import Console
-from raytrain_ddp import load_config, run
-summary = run(load_config({command[1]!r}, overrides={command[2:]!r}), console=Console(file=io.StringIO()))
-print(json.dumps([summary.already_finished, summary.attempts, summary.model.version, summary.best_checkpoint,
-                  ray.is_initialized()]))
-"""
-    python = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=user_env(), capture_output=True, text=True, timeout=300
-    )
-    assert python.returncode == 0, python.stderr[-3000:]
-    answer = json.loads(python.stdout.splitlines()[-1])
+    assert python.returncode == 0, err[-3000:]
+    answer = json.loads(out.splitlines()[-1])
     assert answer == [True, 0, 1, str(re.search(r"best checkpoint +(\S+)", trained.stdout).group(1)), False]
 
 

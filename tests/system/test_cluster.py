@@ -51,8 +51,18 @@ def submit(cluster: LoopbackCluster, *train_args: str) -> tuple[str, str]:
     return job_id, cluster.ray("job", "logs", job_id).stdout
 
 
-def job_info(cluster: LoopbackCluster, job_id: str) -> dict:
-    jobs = json.loads(cluster.ray("list", "jobs", "--detail", "--format=json").stdout)
+def listed(cluster: LoopbackCluster, *kinds: str) -> list[list[dict]]:
+    """`ray list <kind> --detail` of each kind (jobs, nodes, actors, tasks), the commands side by side:
+    each is a process importing Ray, ~2 s on 2 cores."""
+
+    def one(kind: str) -> list[dict]:
+        return json.loads(cluster.ray("list", kind, "--detail", "--format=json", "--limit=10000").stdout)
+
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        return list(pool.map(one, kinds))
+
+
+def job(jobs: list[dict], job_id: str) -> dict:
     return next(job for job in jobs if job["submission_id"] == job_id)
 
 
@@ -68,19 +78,19 @@ def test_job_submit_trains_on_both_nodes_and_registers(cluster, mlflow_server, t
         "scaling.resources_per_worker={CPU: 1.5}",
     )
 
-    info = job_info(cluster, job_id)
+    jobs, nodes, actors = listed(cluster, "jobs", "nodes", "actors")
+    info = job(jobs, job_id)
     assert info["status"] == "SUCCEEDED", logs[-3000:]
     assert re.search(r"^submitted finished: 2 epochs in ", logs, re.M), logs[-3000:]
     assert re.search(r"^  registered model +tiny  version 1$", logs, re.M)
     assert re.search(r"^epoch +2/2 +train_loss", logs, re.M)  # live progress reaches the job's log
 
-    head = next(node["node_id"] for node in cluster.nodes() if node["is_head_node"])
-    actors = json.loads(cluster.ray("list", "actors", "--detail", "--format=json", "--limit=1000").stdout)
+    head = next(node["node_id"] for node in nodes if node["is_head_node"])
     workers = {a["node_id"] for a in actors if a["class_name"] == "RayTrainWorker" and a["job_id"] == info["job_id"]}
     controllers = {
         a["node_id"] for a in actors if a["class_name"] == "TrainController" and a["job_id"] == info["job_id"]
     }
-    assert workers == {node["node_id"] for node in cluster.nodes()}  # one worker on each node
+    assert workers == {node["node_id"] for node in nodes}  # one worker on each node
     assert info["driver_node_id"] == head and controllers == {head}
     assert not info.get("entrypoint_num_cpus") and not info.get("entrypoint_resources")  # off worker resources
 
@@ -111,12 +121,11 @@ def test_a_streamed_dataset_is_read_on_the_data_node_while_the_workers_train_on_
         "data.label_selector={role: data}",
     )
 
-    info = job_info(cluster, job_id)
+    jobs, nodes, actors, tasks = listed(cluster, "jobs", "nodes", "actors", "tasks")
+    info = job(jobs, job_id)
     assert info["status"] == "SUCCEEDED", logs[-3000:]
-    nodes = {node["labels"].get("role"): node["node_id"] for node in cluster.nodes()}
-    actors = json.loads(cluster.ray("list", "actors", "--detail", "--format=json", "--limit=1000").stdout)
+    nodes = {node["labels"].get("role"): node["node_id"] for node in nodes}
     workers = [a["node_id"] for a in actors if a["class_name"] == "RayTrainWorker" and a["job_id"] == info["job_id"]]
-    tasks = json.loads(cluster.ray("list", "tasks", "--detail", "--format=json", "--limit=10000").stdout)
     reads = [t["node_id"] for t in tasks if "read_pieces" in t["name"] and t["job_id"] == info["job_id"]]
     assert workers == [nodes["train"]] * 2
     # Each worker reads 2 epochs of training rows and 2 validations: a task or more each time.
@@ -144,14 +153,15 @@ def test_storage_only_one_node_sees_and_defaults_inside_the_jobs_temporary_direc
         )
         defaults = pool.submit(submit, cluster)
     (local_id, local_logs), (defaults_id, defaults_logs) = node_local.result(), defaults.result()
+    [jobs] = listed(cluster, "jobs")
 
-    assert job_info(cluster, local_id)["status"] == "FAILED"
+    assert job(jobs, local_id)["status"] == "FAILED"
     assert f"run.storage_path: {cluster.node_local} is not shared by the cluster's nodes" in local_logs
     assert "Use a path every node mounts (NFS, EFS) or an s3:// URI" in local_logs
     assert "epoch   1/" not in local_logs  # nothing trained
     assert list(cluster.node_local.iterdir()) == []  # the probe cleaned up after itself, here at least
 
-    assert job_info(cluster, defaults_id)["status"] == "FAILED"
+    assert job(jobs, defaults_id)["status"] == "FAILED"
     assert re.search(
         r"run.storage_path: \S+/runtime_resources/\S+/runs is in the job's temporary working directory",
         defaults_logs,
