@@ -90,9 +90,11 @@ def start(config: Config, fit_settings: dict[str, str]) -> int:
     """Ask the local raylet for the run's worker processes, loading their modules as they start;
     returns how many. 0 where it would not pay, or where the raylet did not take the request (the run
     goes on as it would have: its workers start when Ray Train asks for them)."""
+    if config.scaling.use_gpu:
+        return 0
     alive = [node for node in ray.nodes() if node["Alive"]]
     here = _here(config, alive)
-    if here is None or len(alive) != 1 or config.scaling.use_gpu:
+    if here is None or len(alive) != 1:
         return 0
     count = min(config.scaling.max_workers, _fit_on(here, config.scaling.resources_per_worker))
     if count < 1:
