@@ -1,0 +1,20 @@
+"""A run's timeline starts at its command's launch, to a clock tick: the first phase (`config`) is
+the command's own start, not up to a second of the boot time's rounding more."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+PRINT_LAUNCH = "from raytrain_ddp import timeline; timeline.launch(); print(repr(timeline.begin().marks[0][1]))"
+
+
+def test_a_commands_timeline_starts_when_it_was_launched():
+    for _ in range(3):
+        before = time.time()
+        child = subprocess.run([sys.executable, "-c", PRINT_LAUNCH], capture_output=True, text=True, check=True)
+        after = time.time()
+        launched = float(child.stdout)
+        # Launched between the two, give or take a clock tick (10 ms); its imports took most of the wait.
+        assert before - 0.02 <= launched <= before + 0.5, (launched - before, after - before)
