@@ -20,10 +20,12 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-
-import pyarrow.fs
+from typing import TYPE_CHECKING
 
 from raytrain_ddp import storage
+
+if TYPE_CHECKING:
+    import pyarrow.fs
 
 LEASE_FILE = "driver.json"
 RENEW_EVERY_S = 10.0

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 import ray
-import ray.data
 
 from raytrain_ddp.ray_address import ADDRESS_ENV, RayAddress, check_environment
 
@@ -137,7 +136,9 @@ def connect(address: RayAddress, verbose: bool) -> None:
         _init(address, verbose)
         if _sigterm_stops:
             signal.signal(signal.SIGTERM, _stop)
-    context = ray.data.DataContext.get_current()
+    from ray.data import DataContext  # not before `start`: a new local Ray starts while the command imports it
+
+    context = DataContext.get_current()
     # A recipe's datasets in the same row order every time: without it, a materialized map_batches
     # lists its blocks in the order its tasks finished, and the data order would not be a function
     # of the seed (exact resume and reproducible runs depend on it).

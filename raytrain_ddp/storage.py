@@ -23,8 +23,10 @@ import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pyarrow.fs
+if TYPE_CHECKING:
+    import pyarrow.fs
 
 PROBE_TIMEOUT_S = 60.0
 # What S3 (through pyarrow's AWS SDK) says when it throttles or is unavailable for a while: worth a
@@ -61,6 +63,8 @@ def write_text(path: str, text: str) -> None:
 
 def locate(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """The filesystem of a storage path or URI, and the path within it."""
+    import pyarrow.fs  # here, not above: the command's config checks and `--help` go without it
+
     if is_uri(path):
         return pyarrow.fs.FileSystem.from_uri(path)
     return pyarrow.fs.LocalFileSystem(), path
@@ -184,6 +188,8 @@ def check_shared(storage_path: str) -> list[str]:
 def _probe_here(step: str, probe_dir: str, me: str) -> str | list[str]:
     """One step of the probe, on this process's node: "write" this node's file (returns an error or
     ""), "list" the names found (or an error), "delete" this node's file."""
+    import pyarrow.fs
+
     fs, directory = locate(probe_dir)
     try:
         if step == "write":
