@@ -13,6 +13,7 @@ Each mark names the end of a phase: "datasets" is the moment the datasets were b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -63,16 +64,14 @@ class Timeline:
 def _process_start() -> float:
     """When this process was launched, to a clock tick: the driver's imports count. On Linux, its
     start in ticks since boot (/proc/self/stat) on the clock of the time since boot; psutil adds
-    them to the boot time /proc/stat gives in whole seconds, up to a second early (0.9 s measured)."""
+    them to the boot time /proc/stat gives in whole seconds, up to a second early (0.9 s on one host)."""
     try:
         with open("/proc/self/stat") as stat:
             ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22, starttime
         return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):  # no /proc, no CLOCK_BOOTTIME: not Linux
-        pass
-    try:
-        return psutil.Process().create_time()
-    except psutil.Error:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process().create_time()
         return time.time()
 
 
