@@ -57,10 +57,11 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from raytrain_ddp import storage
 
 logger = logging.getLogger(__name__)
 
@@ -586,11 +587,7 @@ def _window(origin: int, held: list[Row]) -> tuple[int, Row, np.ndarray]:
 
 
 def _filesystem(uri: str):
-    import pyarrow.fs
-
-    if "://" in uri:
-        return pyarrow.fs.FileSystem.from_uri(uri)
-    return pyarrow.fs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+    return storage.locate(storage.absolute(uri))
 
 
 def _files_under(fs, root: str, extensions: Sequence[str]) -> list[str]:

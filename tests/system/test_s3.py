@@ -2,16 +2,22 @@
 found through the standard AWS environment variables: checkpoints, the lease, a failed run resumed by
 a new driver, and the registered model's source all go through S3; MLflow's artifacts too (a real
 `mlflow server` whose artifact store is the same S3). S3 that throttles, then fails, is a proxy in
-front of it."""
+front of it. Streamed datasets read their files from it too."""
 
 from __future__ import annotations
 
 import re
 import shlex
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from services import FaultyS3, MLflowServer, S3Server, cli
 from test_cli import TINY
+
+from raytrain_ddp import stream
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +98,37 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
         checkpoints=len({key.split("/")[2] for key in s3.keys("runs/on-s3/epoch_")}),
         note=f"{throttled} writes refused; checkpoint 1 retried and kept",
     )
+
+
+def test_parquet_shards_and_image_folders_stream_from_s3_as_from_a_local_directory(s3, tmp_path, monkeypatch):
+    """A streamed dataset's `s3://` path, listed as the driver lists it and read as Ray Data's tasks
+    read it (no training run: the reads are the functions they call): the same rows and labels as
+    the same files in a local directory."""
+    local = tmp_path / "data"
+    for k, n in enumerate([5, 3, 4]):
+        (local / "table").mkdir(parents=True, exist_ok=True)
+        ids = np.arange(k * 10, k * 10 + n)
+        table = pa.table({"id": ids, "x": list(np.stack([ids * 1.0, ids * 2.0], 1)), "note": ["unused"] * n})
+        pq.write_table(table, local / "table" / f"part-{k}.parquet", row_group_size=2)
+    for index, name in enumerate(["cat/a.png", "cat/b.png", "dog/c.png"]):
+        (local / "images" / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((4, 4), index, dtype=np.uint8), mode="L").save(local / "images" / name)
+    for path in local.rglob("*.*"):
+        s3.client().upload_file(str(path), s3.bucket, f"streamed/{path.relative_to(local)}")
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+
+    def both(make):
+        return [make(root).listed(max_bad_files=0) for root in (str(local), f"s3://{s3.bucket}/streamed")]
+
+    on_disk, on_s3 = both(lambda root: stream.Parquet(f"{root}/table", columns=("id", "x")))
+    assert list(on_s3.manifest.rows) == list(on_disk.manifest.rows) == [5, 3, 4]  # from the footers
+    assert all(uri.startswith(f"s3://{s3.bucket}/streamed/table/part-") for uri in on_s3.manifest.files)
+    rows = on_s3.example(12, seed=0)
+    assert sorted(rows) == ["id", "x"] and rows["id"].tolist() == on_disk.example(12, seed=0)["id"].tolist()
+    np.testing.assert_array_equal(rows["x"], on_disk.example(12, seed=0)["x"])
+
+    on_disk, on_s3 = both(lambda root: stream.ImageFolder(f"{root}/images", mode="L"))
+    assert on_s3.manifest.classes == on_disk.manifest.classes == ("cat", "dog")
+    images = on_s3.example(3, seed=0)
+    assert images["label"].tolist() == [0, 0, 1] and [int(i.max()) for i in images["image"]] == [0, 1, 2]
