@@ -133,10 +133,10 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             console.print(f"[dim]{standing.address.note}[/]", highlight=False)
         with console.status("Starting Ray…"):
             _connect(config, standing.address, verbose)
-            capacity.start_coordinator()  # Ray Train's controller waits for it: it starts while the datasets build
             # The workers' processes, loading torch while the datasets build and the recipe is checked.
             fit_settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
             prestart.start(config, fit_settings)
+            capacity.start_coordinator()  # Ray Train's controller waits for it: it starts while the datasets build
         timeline.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
