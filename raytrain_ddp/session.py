@@ -35,7 +35,19 @@ ELASTIC_PLACEMENT_WAIT_S = 15
 MLFLOW_LOG_LEVEL_ENV = "MLFLOW_LOGGING_LEVEL"  # read by mlflow as it is imported
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
-_PRESTART = "prestart_worker_first_driver"  # Ray's idle workers, started as a first driver connects
+# A Ray of its own (it ends with the command) starts without the dashboard: its nine module processes
+# cost a 2-core machine ~2 s of the start, and each wakes the cores a hundred times a second while the
+# ranks train. For the dashboard: `ray start --head`, then RAY_ADDRESS=auto. Nor does it start idle
+# workers for its first driver: Ray Train's actors cannot use them (they carry a runtime environment),
+# and a Ray Data task starts one when it needs it (~0.4 s of a cold start on 2 cores). And a worker
+# process left idle is kept for a minute, not Ray's second: where a node runs more processes than it has
+# CPUs (Ray Train's actors alone outnumber a small node's CPUs), Ray ends the idle ones past that second,
+# so each epoch of a lazy Ray Dataset started its Ray Data tasks' processes anew (on 2 cores, a tiny
+# lazy dataset's epoch took 6.2-6.9 s, 0.8-1.0 s with its processes kept).
+OWN_RAY = {
+    "include_dashboard": False,
+    "_system_config": {"prestart_worker_first_driver": False, "idle_worker_killing_time_threshold_ms": 60_000},
+}
 # Ray Data's usage collection (new in Ray 2.60), on in a driver that joins a cluster unless Ray's usage
 # stats are off there (a Ray that ray.init starts turns them off in the process): each process that
 # executes a dataset starts a thread polling the cluster's metrics, and the first creates a detached
@@ -153,15 +165,8 @@ def _init(address: RayAddress, verbose: bool) -> None:
     # tries a GCS for ~40 s, 20 times over (13 minutes, for a port that answers but is no GCS):
     # once is enough for a cluster that runs (the environment may say otherwise).
     joined = {ADDRESS_ENV: address.join, GCS_ATTEMPTS_ENV: os.environ.get(GCS_ATTEMPTS_ENV, "1")}
-    # A Ray of its own (it ends with the command) starts without the dashboard: its nine module
-    # processes cost a 2-core machine ~2 s of the start, and each wakes the cores a hundred times
-    # a second while the ranks train. For the dashboard: `ray start --head`, then RAY_ADDRESS=auto.
-    # Nor does it start idle workers for its first driver: Ray Train's actors cannot use them (they
-    # carry a runtime environment), and a Ray Data task starts one when it needs it (~0.4 s of a
-    # cold start on 2 cores).
-    own = {} if address.join else {"include_dashboard": False, "_system_config": {_PRESTART: False}}
     with environment(joined if address.join else {}):
-        ray.init(log_to_driver=verbose, logging_level=logging_level, **own)
+        ray.init(log_to_driver=verbose, logging_level=logging_level, **({} if address.join else OWN_RAY))
 
 
 def leave() -> None:

@@ -1,7 +1,8 @@
 """A tiny recipe for the DDP-practice and reliability tests: an MLP on a generated regression table
 whose size the test chooses, served through Ray Data (materialized, or lazy), as a torch Dataset or
 streamed from Parquet shards (`source: parquet`: written under `dataset.path` first, 5 shards a split
-of uneven sizes, with an `id` column), with faults injected on request.
+of uneven sizes, with an `id` column), with faults injected on request. Lazy (`source: lazy-ray`), with
+a `dataset.path`, each Ray Data task of a split notes its time and process in `<path>/<split>.pids`.
 
 The table does not depend on `seed` (so runs with different seeds see the same rows); `seed` still
 drives the model's initialization, the shuffle and dropout, through the service.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -135,8 +137,19 @@ def build_datasets(
         name: ray.data.from_items([{"x": a, "y": b} for a, b in zip(*arrays)]) for name, arrays in splits.items()
     }
     if source == "lazy-ray":  # not run until training reads it: Ray Data then needs a CPU of its own
-        return {name: ds.map_batches(lambda batch: batch) for name, ds in datasets.items()}
+        return {
+            name: ds.map_batches(_noted, fn_kwargs={"log": path and f"{path}/{name}.pids"})
+            for name, ds in datasets.items()
+        }
     return {name: ds.materialize() for name, ds in datasets.items()}
+
+
+def _noted(batch: dict[str, np.ndarray], log: str | None) -> dict[str, np.ndarray]:
+    """A lazy dataset's step: the batch as it is; with `log`, a line of the time and the process."""
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{time.time()} {os.getpid()}\n")
+    return batch
 
 
 def _shards(root: Path, x: np.ndarray, y: np.ndarray) -> stream.Parquet:

@@ -9,10 +9,12 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray shared by every test that trains: a cold start costs 10-20 s on 2 cores. Without the
-    dashboard, as the service starts its own (session.connect)."""
+    """A local Ray shared by every test that trains: a cold start costs 10-20 s on 2 cores. Started as
+    the service starts its own (session.OWN_RAY)."""
     import ray
 
-    ray.init(log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
+    from raytrain_ddp.session import OWN_RAY
+
+    ray.init(log_to_driver=False, logging_level=logging.ERROR, **OWN_RAY)
     yield
     ray.shutdown()

@@ -22,11 +22,18 @@ from raytrain_ddp.layering import load_config
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
 
-def _final_weights(workspace, *overrides: str) -> dict[str, torch.Tensor]:
+def _run(workspace, *overrides: str):
     from raytrain_ddp import run
 
-    summary = run(load_config(TINY, overrides=workspace.overrides(*overrides)))
+    return run(load_config(TINY, overrides=workspace.overrides(*overrides)))
+
+
+def _weights(summary) -> dict[str, torch.Tensor]:
     return ckpt.open_verified(Path(summary.run_path) / f"epoch_{summary.epochs:04d}").model_state()
+
+
+def _final_weights(workspace, *overrides: str) -> dict[str, torch.Tensor]:
+    return _weights(_run(workspace, *overrides))
 
 
 def _initial_weights(seed: int = 0, **model) -> dict[str, torch.Tensor]:
@@ -64,13 +71,32 @@ def test_two_workers_of_batch_8_train_the_same_weights_as_one_worker_of_batch_16
     assert not torch.allclose(ddp["body.0.weight"], _initial_weights()["body.0.weight"])  # it did train
 
 
-def test_accumulating_2_micro_batches_of_4_on_2_workers_equals_one_step_of_16(one_worker_batch_16, workspace):
-    # Read through Ray Train's Ray Data path (a lazy dataset): the same rows make the same step.
-    accumulated = _final_weights(
-        workspace, *ONE_STEP_AN_EPOCH, "train.batch_size=4", "train.grad_accum_steps=2", "dataset.source=lazy-ray"
-    )
+@pytest.fixture(scope="module")
+def lazy_accumulated(ray_session, module_workspace, tmp_path_factory):
+    """2 workers, micro-batches of 4 accumulated 2 at a time, read through Ray Train's Ray Data path (a
+    lazy dataset): each of its Ray Data tasks notes its time and process in `<tasks>/<dataset>.pids`."""
+    tasks = tmp_path_factory.mktemp("tasks")
+    overrides = ("train.batch_size=4", "train.grad_accum_steps=2", "dataset.source=lazy-ray", f"dataset.path={tasks}")
+    return _run(module_workspace, *ONE_STEP_AN_EPOCH, *overrides), tasks
 
-    torch.testing.assert_close(accumulated, one_worker_batch_16, rtol=1e-5, atol=1e-6)
+
+def test_accumulating_2_micro_batches_of_4_on_2_workers_equals_one_step_of_16(one_worker_batch_16, lazy_accumulated):
+    summary, _ = lazy_accumulated  # the same rows make the same step
+
+    torch.testing.assert_close(_weights(summary), one_worker_batch_16, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lazy_datasets_later_epochs_run_its_tasks_in_the_processes_of_its_first(lazy_accumulated):
+    """Ray ends a worker process idle for a second where a node runs more processes than it has CPUs
+    (Ray Train's actors do, here): each epoch then started its Ray Data tasks' processes anew, seconds
+    an epoch. The service's own Ray keeps them a minute (session.OWN_RAY), as does this session's."""
+    summary, tasks = lazy_accumulated
+    first_epoch_done = (Path(summary.run_path) / "epoch_0001" / ckpt.MANIFEST_FILE).stat().st_mtime
+    for name in ("train", "val"):
+        noted = [line.split() for line in (tasks / f"{name}.pids").read_text().splitlines()]
+        first = {pid for at, pid in noted if float(at) < first_epoch_done}
+        later = {pid for at, pid in noted if float(at) > first_epoch_done}
+        assert later and later <= first, (name, first, later)
 
 
 # ---- the service's pieces inside a real worker group --------------------------------------------

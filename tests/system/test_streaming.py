@@ -164,8 +164,10 @@ import json, re, resource, sys, threading, time
 import ray
 from ray._private.internal_api import memory_summary
 
-ray.init(object_store_memory={store} * 2**20, log_to_driver=False, include_dashboard=False)
 from raytrain_ddp import load_config, run
+from raytrain_ddp.session import OWN_RAY
+
+ray.init(object_store_memory={store} * 2**20, log_to_driver=False, **OWN_RAY)
 
 address = ray.get_runtime_context().gcs_address  # this Ray's: the test session may run another
 
