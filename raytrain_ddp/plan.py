@@ -136,7 +136,10 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             # The workers' processes, loading torch while the datasets build and the recipe is checked.
             fit_settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
             prestart.start(config, fit_settings)
-            capacity.start_coordinator()  # Ray Train's controller waits for it: it starts while the datasets build
+            # Ray Train's controller waits for it: it starts while the datasets build. After the workers'
+            # processes: a raylet drops the part of a prestart request beyond its free start slots (one
+            # per CPU), and an actor's creation waits for one.
+            capacity.start_coordinator()
         timeline.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
