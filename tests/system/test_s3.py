@@ -113,8 +113,9 @@ def test_parquet_shards_and_image_folders_stream_from_s3_as_from_a_local_directo
     for index, name in enumerate(["cat/a.png", "cat/b.png", "dog/c.png"]):
         (local / "images" / name).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(np.full((4, 4), index, dtype=np.uint8), mode="L").save(local / "images" / name)
+    client = s3.client()
     for path in local.rglob("*.*"):
-        s3.client().upload_file(str(path), s3.bucket, f"streamed/{path.relative_to(local)}")
+        client.upload_file(str(path), s3.bucket, f"streamed/{path.relative_to(local)}")
     for key, value in s3.env.items():
         monkeypatch.setenv(key, value)
 
