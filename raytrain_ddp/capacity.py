@@ -43,6 +43,27 @@ def fits_now(config: Config) -> bool:
     return True
 
 
+def placement(config: Config, nodes: list[dict[str, Any]] | None = None) -> dict[str, int]:
+    """How many of the run's workers each node (by id) will hold, where Ray has no choice of their
+    nodes: the one node with scaling.label_selector's labels and room for workers free now (as many
+    as it holds, up to the run's most), or nodes whose rooms add up to exactly the run's most workers.
+    {} where Ray chooses (Ray Train's PACK strategy picks its own nodes) or nothing fits. `nodes`: the
+    alive nodes as `_nodes` gives them (the default)."""
+    wanted, selector = per_worker(config), dict(config.scaling.label_selector)
+    nodes = _nodes() if nodes is None else nodes
+    rooms = {node["id"]: _room(node["free"], wanted) for node in nodes if has_labels(node["labels"], selector)}
+    rooms = {node: room for node, room in rooms.items() if room > 0}
+    most = config.scaling.max_workers
+    if len(rooms) == 1:
+        return {node: min(room, most) for node, room in rooms.items()}
+    return rooms if sum(rooms.values()) == most else {}
+
+
+def _room(free: dict[str, float], wanted: dict[str, float]) -> int:
+    """How many workers of `wanted` resources `free` holds."""
+    return min((int(free.get(key, 0.0) // amount) for key, amount in wanted.items() if amount > 0), default=0)
+
+
 def describe_wait(config: Config) -> str:
     """What the run waits for and what the cluster has: the workers' resources, the nodes alive with
     what they have free, and the other runs of the cluster that hold workers now."""
@@ -190,7 +211,7 @@ def _answers(host: str, port: int) -> bool:
 
 
 def _nodes() -> list[dict[str, Any]]:
-    """The alive nodes: their labels, total and free resources."""
+    """The alive nodes: their ids, labels, total and free resources."""
     from ray._private.state import state  # free resources per node: no public API
 
     try:
@@ -199,6 +220,7 @@ def _nodes() -> list[dict[str, Any]]:
         free = {}
     return [
         {
+            "id": node["NodeID"],
             "labels": node.get("Labels") or {},
             "total": node["Resources"],
             "free": free.get(node["NodeID"], node["Resources"]),

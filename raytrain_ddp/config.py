@@ -267,8 +267,10 @@ class RunSettings(_Section):
     )
     prestart_workers: bool = Field(
         True,
-        description="the driver asks Ray for Ray Train's processes ahead: on a Ray of one node, CPU workers', as it "
-        "joins (they load torch while it builds the datasets and checks the recipe: ~1-2 s of a 2-core start); "
+        description="the driver asks Ray for Ray Train's processes ahead: CPU workers', as it joins, where Ray has no "
+        "choice of their nodes (one node has room, or the nodes' rooms add up to exactly the workers; they "
+        "load torch while it builds the datasets and checks the recipe: ~1-2 s of a 2-core start, ~2 s on a "
+        "2-node loopback cluster); "
         "the controller's, once the datasets are built; false = they start when Ray Train asks for them",
     )
     resources_wait_s: float = Field(

@@ -7,17 +7,19 @@ config): ~4 CPU-seconds each, all of it after the controller asks for the worker
 controller is a new process too, started as fit() begins. Ray gives a new actor an idle worker
 process of the same runtime environment if it has one; Ray Train's controller and workers carry one
 (the environment variables Ray Train passes on), so the processes Ray starts for a first driver never
-serve them. The driver asks its node's raylet for the run's processes with exactly those runtime
+serve them. The driver asks the raylets for the run's processes with exactly those runtime
 environments: the workers' as soon as it has joined Ray (`start`), each loading their modules as it
 starts (`preload`, run by Ray as the workers' setup hook, `worker_runtime_env`); the controller's
 (and its synchronization actor's) once the datasets are built (`start_controller`). Ray Train's
 controller and workers are then these processes, started while the driver built the datasets and
 checked the recipe (bench/README.md).
 
-The workers only where it is sure to pay: a cluster of one node (every worker lands on it) and CPU
-workers (a GPU worker's devices are set as its actor starts, after the hook); the controller always
-lands on the driver's node. None where the driver has a runtime environment of its own (`ray job
-submit --working-dir` gives one: Ray merges it into the run's, and the match would need Ray's merge).
+The workers only where it is sure to pay: where Ray has no choice of their nodes (one node has room
+for them, or the nodes' rooms add up to exactly the run's workers, as a cluster sized for the run:
+`capacity.placement`), each node asked for its share, and CPU workers (a GPU worker's devices are set
+as its actor starts, after the hook); the controller always lands on the driver's node. None where
+the driver has a runtime environment of its own (`ray job submit --working-dir` gives one: Ray merges
+it into the run's, and the match would need Ray's merge).
 Processes the run does not take (it is refused after this point) belong to the driver's job: Ray ends
 them with it, or hands them to its next run in the same process (a notebook's). Ray's own API for this
 (`CoreWorker.PrestartWorkers`) has no Python binding in Ray 2.60, so the driver sends the raylet's
@@ -33,6 +35,7 @@ import time
 import ray
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as HOOK_ENV
 
+from raytrain_ddp import capacity
 from raytrain_ddp.config import Config
 
 KEEP_ALIVE_S = 300  # how long the raylet keeps them for this job, unused, before its idle-worker rules apply
@@ -41,8 +44,8 @@ _CONTROLLER_DEFAULTS = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
 # For the Ray tasks a worker starts (a streamed dataset's reads): they inherit the worker's runtime
 # environment, and must not load a training worker's modules as they start.
 TASKS_RUNTIME_ENV = {"env_vars": {HOOK_ENV: ""}}
-# What this process asked for and no fit() has taken yet, by (Ray job, runtime environment): when.
-_idle: dict[tuple[str, str], float] = {}
+# What this process asked for and no fit() has taken yet, by (Ray job, runtime environment, node): when.
+_idle: dict[tuple[str, str, str], float] = {}
 
 
 def preload() -> None:
@@ -87,20 +90,16 @@ def worker_runtime_env(config: Config) -> dict:
 
 
 def start(config: Config, fit_settings: dict[str, str]) -> int:
-    """Ask the local raylet for the run's worker processes, loading their modules as they start;
-    returns how many. 0 where it would not pay, or where the raylet did not take the request (the run
-    goes on as it would have: its workers start when Ray Train asks for them)."""
-    if config.scaling.use_gpu:
-        return 0
+    """Ask the raylets of the nodes the run's workers will be on for their processes, loading their
+    modules as they start; returns how many. 0 where it would not pay, or where the raylets did not
+    take the request (the run goes on as it would have: its workers start when Ray Train asks for
+    them)."""
     alive = [node for node in ray.nodes() if node["Alive"]]
-    here = _here(config, alive)
-    if here is None or len(alive) != 1:
+    if config.scaling.use_gpu or _here(config, alive) is None:
         return 0
-    count = min(config.scaling.max_workers, _fit_on(here, config.scaling.resources_per_worker))
-    if count < 1:
-        return 0
-    env_vars = controller_env(fit_settings) | worker_runtime_env(config)["env_vars"]
-    return _ask(here, _as_the_controller_sends({"env_vars": env_vars}), count)
+    raylets = {node["NodeID"]: node for node in alive}
+    env = _as_the_controller_sends({"env_vars": controller_env(fit_settings) | worker_runtime_env(config)["env_vars"]})
+    return sum(_ask(raylets[node], env, count) for node, count in capacity.placement(config).items() if node in raylets)
 
 
 def start_controller(config: Config, fit_settings: dict[str, str]) -> int:
@@ -158,11 +157,12 @@ def _here(config: Config, alive: list[dict]) -> dict | None:
 def _ask(node: dict, serialized_env: str, count: int) -> int:
     """Ask `node`'s raylet for `count` processes of this runtime environment, unless this process did
     and no fit() has taken them yet; returns how many it asked for."""
-    key = (ray.get_runtime_context().get_job_id(), serialized_env)
+    job = ray.get_runtime_context().get_job_id()
+    key = (job, serialized_env, node["NodeID"])
     if key in _idle and time.monotonic() - _idle[key] < KEEP_ALIVE_S:
         return 0  # a run of this process refused after asking left them: this one takes those
     try:
-        _prestart(node, *key, count)
+        _prestart(node, job, serialized_env, count)
     except Exception:  # noqa: BLE001 - an optimization only
         return 0
     _idle[key] = time.monotonic()
@@ -186,9 +186,3 @@ def _prestart(node: dict, job: str, serialized_env: str, count: int) -> None:
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=5)
     finally:
         channel.close()
-
-
-def _fit_on(node: dict, per_worker: dict[str, float]) -> int:
-    """How many workers of `per_worker` resources the node holds."""
-    resources = node["Resources"]
-    return min((int(resources.get(key, 0) // amount) for key, amount in per_worker.items() if amount > 0), default=0)

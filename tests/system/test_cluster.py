@@ -5,7 +5,6 @@ in a real MLflow tracking server."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -48,18 +47,12 @@ def submit(cluster: LoopbackCluster, *train_args: str) -> tuple[str, str]:
         check=False,
         timeout=600,
     )
-    return job_id, cluster.ray("job", "logs", job_id).stdout
+    return job_id, cluster.job_logs(job_id)
 
 
 def listed(cluster: LoopbackCluster, *kinds: str) -> list[list[dict]]:
-    """`ray list <kind> --detail` of each kind (jobs, nodes, actors, tasks), the commands side by side:
-    each is a process importing Ray, ~2 s on 2 cores."""
-
-    def one(kind: str) -> list[dict]:
-        return json.loads(cluster.ray("list", kind, "--detail", "--format=json", "--limit=10000").stdout)
-
-    with ThreadPoolExecutor(len(kinds)) as pool:
-        return list(pool.map(one, kinds))
+    """`ray list <kind> --detail` of each kind (jobs, nodes, actors, tasks)."""
+    return [cluster.state(kind, detail=True) for kind in kinds]
 
 
 def job(jobs: list[dict], job_id: str) -> dict:
