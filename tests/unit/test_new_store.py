@@ -177,7 +177,9 @@ def test_mlflow_comes_in_on_the_stores_thread_not_with_the_drivers_modules(tmp_p
     is left to opening_store's thread, which runs while Ray starts, for a new store or an existing one;
     its loggers stay as quiet as the command set them before the import."""
     MlflowClient(f"sqlite:///{tmp_path / 'existing.db'}").search_experiments()
-    for name in ("new.db", "existing.db"):
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_LOGGING_LEVEL"}
+    runs = {}
+    for name in ("new.db", "existing.db"):  # side by side: each process imports mlflow
         script = f"""
 import json, sys
 import logging
@@ -190,10 +192,16 @@ with tracking.opening_store("sqlite:///{tmp_path / name}"):
 quiet = all(logging.getLogger(n).getEffectiveLevel() >= logging.ERROR for n in ("mlflow", "alembic"))
 print(json.dumps([before, "mlflow.tracking" in sys.modules, quiet]))
 """
-        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_LOGGING_LEVEL"}
-        ran = subprocess.run(
-            [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        runs[name] = subprocess.Popen(
+            [sys.executable, "-c", script],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        assert ran.returncode == 0, ran.stderr[-3000:]
-        assert json.loads(ran.stdout.splitlines()[-1]) == [False, True, True], name  # loaded, and quiet
-        assert ran.stderr == "", name  # no migration lines (a new store) on the console
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err[-3000:]
+        assert json.loads(out.splitlines()[-1]) == [False, True, True], name  # loaded, and quiet
+        assert err == "", name  # no migration lines (a new store) on the console
