@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -355,28 +355,51 @@ class MetricsLog:
     table for the run, a row per sample and evaluation) and, on the report that ends a run early, why.
 
     Leaving the block waits until every report added is logged, so when fit() has returned the run's
-    metrics are all in MLflow. A store that is unavailable costs a warning per report, after MLflow's
-    bounded retries (session.bounded_mlflow_retries), never the training: every checkpoint's
-    metrics.json keeps the numbers."""
+    metrics are all in MLflow. A store that is unavailable costs a warning, never the training: every
+    checkpoint's metrics.json keeps the numbers. A tracking server that does not answer costs MLflow's
+    bounded retries (session.bounded_mlflow_retries) once: until it answers again, each report asks it
+    once, without retries (`check_server`), so reports queued behind a server that is down do not
+    hold the run's end for their retries; one warning when it answers again, or at the end, names
+    the reports not logged."""
 
     def __init__(self, tracking_uri: str, run_id: str):
-        self.client, self.run_id = _client(tracking_uri), run_id
+        self.client, self.run_id, self.tracking_uri = _client(tracking_uri), run_id, tracking_uri
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+        self._unreachable: str | None = None  # why the tracking server did not answer, until it does
+        self._skipped: list[int] = []  # the steps of the reports not logged meanwhile
 
     def __enter__(self) -> MetricsLog:
         return self
 
     def __exit__(self, *exc) -> None:
         self._thread.shutdown(wait=True)
+        if self._skipped:
+            logger.warning(
+                "MLflow: %s were not logged: %s (each checkpoint's metrics.json keeps them)",
+                _reports(self._skipped),
+                self._unreachable,
+            )
 
-    def add(self, reported: dict[str, Any]) -> None:
+    def add(self, reported: dict[str, Any]) -> Future:
+        """Log the report on the log's thread; the returned future is done once it is logged (or not)."""
         from mlflow.entities import Metric
 
         now, step = int(time.time() * 1000), int(reported["step"])
         batch = [Metric(k, float(v), now, step) for k, v in reported.items() if _is_number(v) and k != "step"]
-        self._thread.submit(self._log, step, batch, reported.get(GENERATED), reported.get(STOPPED_EARLY))
+        return self._thread.submit(self._log, step, batch, reported.get(GENERATED), reported.get(STOPPED_EARLY))
 
     def _log(self, step: int, batch: list[Metric], generated: list[dict[str, str]] | None, stopped_early: str | None):
+        if self._unreachable is not None:
+            if check_server(self.tracking_uri) is not None:
+                self._skipped.append(step)
+                return
+            if self._skipped:
+                logger.warning(
+                    "MLflow: the tracking server answers again; %s were not logged meanwhile (each "
+                    "checkpoint's metrics.json keeps them)",
+                    _reports(self._skipped),
+                )
+            self._unreachable, self._skipped = None, []
         try:
             self.client.log_batch(self.run_id, metrics=batch)
             if generated:
@@ -385,7 +408,18 @@ class MetricsLog:
             if stopped_early:
                 self.client.set_tag(self.run_id, STOPPED_EARLY_TAG, stopped_early)
         except Exception as e:  # noqa: BLE001 - any tracking failure, see the docstring
-            logger.warning("MLflow: step %d metrics not logged (%s); see the checkpoint's metrics.json", step, e)
+            self._unreachable = check_server(self.tracking_uri)  # None: a store, or a server that answers
+            until = "; the next reports ask the server once each, without retries" if self._unreachable else ""
+            logger.warning(
+                "MLflow: step %d metrics not logged (%s)%s; see the checkpoint's metrics.json", step, e, until
+            )
+
+
+def _reports(steps: list[int]) -> str:
+    """'the metrics of 2 reports (steps 8-12)'."""
+    if len(steps) == 1:
+        return f"the metrics of 1 report (step {steps[0]})"
+    return f"the metrics of {len(steps)} reports (steps {steps[0]}-{steps[-1]})"
 
 
 def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED", "KILLED"]) -> None:

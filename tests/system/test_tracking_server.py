@@ -1,11 +1,12 @@
 """A real MLflow tracking server (`mlflow server` on loopback, with MLflow's basic-auth app): training
 over HTTP with credentials from MLflow's environment variables (and never anywhere else), wrong
 credentials refused before training, a server that goes away after it, and `raytrain-ddp register`
-finishing the registration later, once. (A server that cannot be reached at all is
-tests/unit/test_tracking_refusals.py's.)"""
+finishing the registration later, once; the live metrics while a server is down, then back. (A
+server that cannot be reached at all is tests/unit/test_tracking_refusals.py's.)"""
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 from pathlib import Path
@@ -13,10 +14,11 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
+from mlflow.tracking import MlflowClient
 from services import BIN, MLflowServer, cli, user_env, wait_until
 
 import raytrain_ddp
-from raytrain_ddp import checkpoint
+from raytrain_ddp import checkpoint, tracking
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
@@ -119,3 +121,45 @@ def test_server_gone_after_training_then_register_later_once(
         versions=1,
         note="driver exit 3, then register exit 0 twice",
     )
+
+
+def test_reports_while_the_server_is_down_ask_it_once_each_and_are_named_when_it_answers_or_at_the_end(
+    tmp_path, monkeypatch, caplog
+):
+    """The driver's live metrics (`tracking.MetricsLog`): the first report the server does not take
+    pays MLflow's retries; the next ones only ask whether it answers, without retries, so reports
+    queued behind a server that is down do not hold the run's end for theirs. One warning names
+    them, with their steps, when the server answers again (and logging goes on), or at the end."""
+    monkeypatch.chdir(tmp_path)  # a new sqlite store's Default experiment goes under ./mlruns
+    server = MLflowServer(tmp_path)  # down until step 4: its run made in its store directly
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = store.create_run(store.create_experiment("down-and-back")).info.run_id
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the first failure at once (the driver: 3)
+    caplog.set_level(logging.WARNING, logger=tracking.__name__)
+    try:
+        with tracking.MetricsLog(server.url, run_id) as log:
+            for step in (1, 2, 3):
+                log.add({"step": step, "loss": 1.0 / step}).result()
+            server.start()
+            log.add({"step": 4, "loss": 0.25}).result()
+            server.stop()
+            for step in (5, 6):
+                log.add({"step": step, "loss": 0.2}).result()
+    finally:
+        server.stop()
+
+    first, back, again, end = [r.getMessage() for r in caplog.records if r.name == tracking.__name__]
+    assert first.startswith("MLflow: step 1 metrics not logged (")
+    assert first.endswith(
+        "; the next reports ask the server once each, without retries; see the checkpoint's metrics.json"
+    )
+    assert back == (
+        "MLflow: the tracking server answers again; the metrics of 2 reports (steps 2-3) were not logged "
+        "meanwhile (each checkpoint's metrics.json keeps them)"
+    )
+    assert again.startswith("MLflow: step 5 metrics not logged (")
+    assert end.startswith(
+        f"MLflow: the metrics of 1 report (step 6) were not logged: mlflow.tracking_uri: the MLflow tracking "
+        f"server {server.url} is unreachable (connection refused)"
+    )
+    assert [m.step for m in store.get_metric_history(run_id, "loss")] == [4]
