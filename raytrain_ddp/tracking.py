@@ -305,7 +305,7 @@ def start_run(config: Config, run_path: str, extra_params: Mapping[str, str] | N
     _put_new_database_in_place(config.mlflow.tracking_uri)
     client = _client(config.mlflow.tracking_uri)
     experiment = client.get_experiment_by_name(config.mlflow.experiment)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.mlflow.experiment)
+    experiment_id = experiment.experiment_id if experiment else _new_experiment(client, config)
     name, path = config.run.name, run_path
     found = client.search_runs([experiment_id], filter_string=_identity(name, path), max_results=1)
     params = {key: str(value) for key, value in config.flat().items()} | dict(extra_params or {})
@@ -325,6 +325,18 @@ def start_run(config: Config, run_path: str, extra_params: Mapping[str, str] | N
         client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
     client.log_dict(run.info.run_id, config.to_dict(), "config.yaml")
     return run.info.run_id
+
+
+def _new_experiment(client: MlflowClient, config: Config) -> str:
+    """A new experiment; in a sqlite store, its artifacts (the registered models' files among them)
+    beside the database, as `mlruns/<id>`, not under the driver's working directory, where MLflow
+    would put them: under `ray job submit` that is the job's copy, which Ray deletes with the job."""
+    uri, name = config.mlflow.tracking_uri, config.mlflow.experiment
+    if (database := _sqlite_file(uri)) is None:
+        return client.create_experiment(name)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    return SqlAlchemyStore(uri, str(database.absolute().parent / "mlruns")).create_experiment(name)
 
 
 def find_run(config: Config, run_path: str) -> str | None:

@@ -90,6 +90,26 @@ print(json.dumps(os.listdir({str(tmp_path)!r})))
     assert _files(tmp_path) == []
 
 
+def test_a_new_experiments_artifacts_go_beside_the_database_not_under_the_working_directory(tmp_path, monkeypatch):
+    """MLflow puts a sqlite store's new experiment under the process's ./mlruns; under `ray job submit`
+    that is the job's copy of the working directory, which Ray deletes with the job (and the registered
+    models' files with it). The service puts it beside the database, as MLflow lays it out there."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    config = load_config(str(TINY), overrides=[f"mlflow.tracking_uri={uri}", "mlflow.experiment=e", "run.name=r"])
+
+    run_id = tracking.start_run(config, str(tmp_path / "runs" / "r"))
+
+    experiment = MlflowClient(uri).get_experiment_by_name("e")
+    beside = tmp_path / "store" / "mlruns" / experiment.experiment_id
+    assert experiment.artifact_location == str(beside)
+    assert (beside / run_id / "artifacts" / "config.yaml").is_file()
+    assert not (tmp_path / "elsewhere" / "mlruns" / experiment.experiment_id).exists()
+    assert tracking.start_run(config, str(tmp_path / "runs" / "r")) == run_id  # found again, as before
+
+
 def _schema(database: Path) -> list[tuple]:
     """Each table and index, its definition's lines sorted (MLflow's own migrations order a table's
     constraints differently from one database to the next), and the schema's revision."""
