@@ -148,6 +148,9 @@ def test_sbatch_trains_on_the_allocation_and_a_stopped_or_cancelled_job_resumes_
 
     first = slurm.sbatch(tmp_path, *args)
     wait_until(lambda: (runs / "epoch_0001").exists(), 300, "epoch 1's checkpoint")
+    raylets = [p for p in processes_with(f"{slurm.root}/ray-{first}-") if p.name() == "raylet"]
+    kept = [p.environ().get("RAY_idle_worker_killing_time_threshold_ms") for p in raylets]
+    assert kept == ["60000", "60000"], kept  # each node keeps an idle worker process a minute
     slurm.run("scancel", "--batch", "--signal=TERM", first)
     stopped = slurm.wait_for(first, ("FAILED", "COMPLETED", "CANCELLED"), 120)
     log = _log(tmp_path, first)

@@ -96,8 +96,11 @@ def test_token_auth_a_loopback_dashboard_and_a_head_without_workers(name):
     [head_start] = [c for c in config["head_start_ray_commands"] if "ray start" in c]
     [worker_start] = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
 
-    for start in head_start, worker_start:  # the variable set on `ray start` itself, not only in .bashrc
-        assert re.search(r"(^|[;&|] *)(\w+=\S* )*RAY_AUTH_MODE=token (\w+=\S* )*ray start ", start), start
+    # The variables set on `ray start` itself, not only in .bashrc: token auth, and an idle worker process
+    # kept a minute (session.OWN_RAY's setting: a lazy dataset's epochs reuse its tasks' processes).
+    for setting in "RAY_AUTH_MODE=token", "RAY_idle_worker_killing_time_threshold_ms=60000":
+        for start in head_start, worker_start:
+            assert re.search(rf"(^|[;&|] *)(\w+=\S* )*{setting} (\w+=\S* )*ray start ", start), (setting, start)
     assert "--dashboard-host=127.0.0.1" in head_start  # reachable only through `ray dashboard` (an SSH tunnel)
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"  # the token, on every node
     head_gcs_port = re.search(r"--port=(\d+)", head_start).group(1)
