@@ -17,9 +17,9 @@ checked the recipe (bench/README.md).
 The workers only where it is sure to pay: where Ray has no choice of their nodes (one node has room
 for them, or the nodes' rooms add up to exactly the run's workers, as a cluster sized for the run:
 `capacity.placement`), each node asked for its share, and CPU workers (a GPU worker's devices are set
-as its actor starts, after the hook); the controller always lands on the driver's node. None where
-the driver has a runtime environment of its own (`ray job submit --working-dir` gives one: Ray merges
-it into the run's, and the match would need Ray's merge).
+as its actor starts, after the hook); the controller always lands on the driver's node. Where the
+driver has a runtime environment of its own (`ray job submit --working-dir` gives one), Ray merges it
+into every actor's, and the processes asked for carry that merge.
 Processes the run does not take (it is refused after this point) belong to the driver's job: Ray ends
 them with it, or hands them to its next run in the same process (a notebook's). Ray's own API for this
 (`CoreWorker.PrestartWorkers`) has no Python binding in Ray 2.60, so the driver sends the raylet's
@@ -132,26 +132,42 @@ def controller_env(fit_settings: dict[str, str]) -> dict[str, str]:
 
 
 def _as_the_driver_sends(runtime_env: dict) -> str:
-    """An actor's runtime environment as the raylet sees it from a driver without one of its own: as
-    Ray's Python API writes it (`RuntimeEnv.serialize`: json.dumps, keys sorted). The raylet matches an
-    idle worker to an actor by a hash of this string."""
-    return json.dumps(runtime_env, sort_keys=True)
+    """The runtime environment of an actor the driver creates, as the raylet sees it (it matches an idle
+    worker to an actor by a hash of this string). Where the driver has none of its own, as Ray's Python
+    API writes it (`RuntimeEnv.serialize`: json.dumps, keys sorted); else merged into the driver's by
+    Ray's core worker, as `_as_an_actor_sends`."""
+    job = json.loads(ray.get_runtime_context().get_runtime_env_string() or "{}")
+    return _as_an_actor_sends(_merged(job, runtime_env)) if job else json.dumps(runtime_env, sort_keys=True)
 
 
 def _as_the_controller_sends(runtime_env: dict) -> str:
-    """An actor's runtime environment as the raylet sees it from the controller, an actor with one:
-    merged with the controller's by Ray's core worker, which writes it as nlohmann::json's dump() does
-    (compact, keys sorted)."""
+    """The runtime environment of an actor the controller creates (the controller has one: its
+    environment variables, merged into the driver's), as the raylet sees it."""
+    job = json.loads(ray.get_runtime_context().get_runtime_env_string() or "{}")
+    return _as_an_actor_sends(_merged(job, runtime_env))
+
+
+def _as_an_actor_sends(runtime_env: dict) -> str:
+    """A runtime environment merged by Ray's core worker into its creator's, written as nlohmann::json's
+    dump() does (compact, keys sorted, UTF-8)."""
     return json.dumps(runtime_env, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _merged(parent: dict, child: dict) -> dict:
+    """`child` merged into `parent` as Ray's core worker does (`OverrideRuntimeEnv`): the child's keys
+    win, and the environment variables of both are kept, the child's winning."""
+    merged = parent | child
+    if "env_vars" in parent and "env_vars" in child:
+        merged["env_vars"] = parent["env_vars"] | child["env_vars"]
+    return merged
+
+
 def _here(config: Config, alive: list[dict]) -> dict | None:
-    """The driver's node, where the run's processes may be started ahead: the run allows it, and the
-    driver has no runtime environment of its own."""
-    context = ray.get_runtime_context()
-    if not config.run.prestart_workers or context.runtime_env:
+    """The driver's node, where the run's processes may be started ahead, if the run allows it."""
+    if not config.run.prestart_workers:
         return None
-    return next((node for node in alive if node["NodeID"] == context.get_node_id()), None)
+    node = ray.get_runtime_context().get_node_id()
+    return next((n for n in alive if n["NodeID"] == node), None)
 
 
 def _ask(node: dict, serialized_env: str, count: int) -> int:

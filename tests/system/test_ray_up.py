@@ -204,7 +204,15 @@ def test_ray_up_submit_train_and_ray_down(loopback_cluster, tmp_path):
 
     [worker_node] = [node for node in cluster.alive_nodes() if not node["is_head_node"]]
     actors = cluster.api("/api/v0/actors?limit=1000&detail=true")["data"]["result"]["result"]
-    assert {a["node_id"] for a in actors if a["class_name"] == "RayTrainWorker"} == {worker_node["node_id"]}
+    trainers = [a for a in actors if a["class_name"] == "RayTrainWorker"]
+    assert {a["node_id"] for a in trainers} == {worker_node["node_id"]}
+    # The job's workers are the processes its driver started ahead on the worker host (prestart.py), with
+    # the job's runtime environment (its working directory) merged in as Ray merges it: launched before
+    # the controller (Ray's own record), where processes Ray started for them would come after it.
+    workers = cluster.api("/api/v0/workers?limit=1000&detail=true")["data"]["result"]["result"]
+    launched = {(w["node_id"], w["pid"]): w["worker_launch_time_ms"] for w in workers}
+    [controller] = [a for a in actors if a["class_name"] == "TrainController"]
+    assert all(launched[a["node_id"], a["pid"]] < launched[controller["node_id"], controller["pid"]] for a in trainers)
     assert (tmp_path / "runs" / "on-cluster" / "epoch_0001" / "manifest.json").is_file()
     [version] = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_model_versions("name = 'tiny'")
     assert version.status == "READY"

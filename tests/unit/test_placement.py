@@ -1,7 +1,7 @@
 """Where the driver may start the workers' processes ahead (prestart.py): only where Ray has no choice
 of their nodes, from what the nodes have free. The nodes are given as `capacity._nodes` reads them
-from Ray; tests/system/test_node_loss.py checks the processes on a real 2-node cluster, and
-test_training.py on one node.
+from Ray; tests/system/test_node_loss.py checks the processes on a real 2-node cluster,
+test_training.py on one node, and test_ray_up.py for a job submitted with a working directory.
 
     .venv/bin/pytest tests/unit/test_placement.py
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raytrain_ddp import capacity, load_config
+from raytrain_ddp import capacity, load_config, prestart
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
@@ -47,3 +47,18 @@ def test_only_nodes_with_the_selectors_labels_count():
     nodes = [node("a", 2.0, role="train"), node("b", 2.0, role="data")]
     assert placement(nodes, *two, "scaling.label_selector={role: train}") == {"a": 2}
     assert placement(nodes, *two, "scaling.label_selector={role: gpu}") == {}
+
+
+def test_a_jobs_runtime_environment_is_merged_into_the_runs_as_rays_core_worker_merges_it():
+    """Under `ray job submit --working-dir` the driver has a runtime environment, which Ray's core worker
+    merges into every actor's (`OverrideRuntimeEnv`: the actor's keys win, environment variables merged)
+    and writes compact with sorted keys: the processes asked for ahead must carry the same string."""
+    job = {"working_dir": "gcs://_ray_pkg_1.zip", "env_vars": {"A": "job", "B": "job"}}
+    merged = prestart._merged(job, {"env_vars": {"B": "run", "C": "run"}})
+    assert merged == {"working_dir": "gcs://_ray_pkg_1.zip", "env_vars": {"A": "job", "B": "run", "C": "run"}}
+    kept = {"py_modules": ["m"], "env_vars": {"C": "1"}}  # the job's keys the actor has not: kept
+    assert prestart._merged({"py_modules": ["m"]}, {"env_vars": {"C": "1"}}) == kept
+    assert prestart._merged({}, {"env_vars": {"C": "run"}}) == {"env_vars": {"C": "run"}}
+    written = '{"env_vars":{"A":"job","B":"run","C":"run"},"working_dir":"gcs://_ray_pkg_1.zip"}'
+    assert prestart._as_an_actor_sends(merged) == written
+    assert prestart._as_an_actor_sends({"env_vars": {"NAME": "é"}}) == '{"env_vars":{"NAME":"é"}}'  # UTF-8, unescaped
