@@ -136,21 +136,25 @@ def _as_the_driver_sends(runtime_env: dict) -> str:
     worker to an actor by a hash of this string). Where the driver has none of its own, as Ray's Python
     API writes it (`RuntimeEnv.serialize`: json.dumps, keys sorted); else merged into the driver's by
     Ray's core worker, as `_as_an_actor_sends`."""
-    job = json.loads(ray.get_runtime_context().get_runtime_env_string() or "{}")
+    job = _job_runtime_env()
     return _as_an_actor_sends(_merged(job, runtime_env)) if job else json.dumps(runtime_env, sort_keys=True)
 
 
 def _as_the_controller_sends(runtime_env: dict) -> str:
     """The runtime environment of an actor the controller creates (the controller has one: its
     environment variables, merged into the driver's), as the raylet sees it."""
-    job = json.loads(ray.get_runtime_context().get_runtime_env_string() or "{}")
-    return _as_an_actor_sends(_merged(job, runtime_env))
+    return _as_an_actor_sends(_merged(_job_runtime_env(), runtime_env))
 
 
 def _as_an_actor_sends(runtime_env: dict) -> str:
     """A runtime environment merged by Ray's core worker into its creator's, written as nlohmann::json's
     dump() does (compact, keys sorted, UTF-8)."""
     return json.dumps(runtime_env, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _job_runtime_env() -> dict:
+    """The driver's runtime environment, its job's ({} without one)."""
+    return json.loads(ray.get_runtime_context().get_runtime_env_string() or "{}")
 
 
 def _merged(parent: dict, child: dict) -> dict:
