@@ -29,8 +29,6 @@ from pathlib import Path
 
 import psutil
 
-from raytrain_ddp import tracking
-
 BIN = Path(sys.executable).parent  # the venv's executables: mlflow, moto_server, ray, raytrain-ddp
 REPO = Path(__file__).resolve().parents[2]
 
@@ -360,8 +358,10 @@ class MLflowServer:
 
     def start(self) -> MLflowServer:
         store = self.root / "mlflow.db"
-        if not store.exists():
-            tracking.copy_empty_schema(store)  # as the driver makes a new store: MLflow's migrations ran once
+        if not store.exists():  # as the driver makes a new store: MLflow's migrations ran once
+            from raytrain_ddp import tracking  # here: it imports torch, which `ray stop` on a test's host needs not
+
+            tracking.copy_empty_schema(store)
         # No job runner: MLflow 3 starts eight more processes for its GenAI jobs (~25 CPU-seconds a
         # start on 2 cores), which training never uses.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env}
