@@ -1,5 +1,5 @@
 """What runs on Ray Train's controller: `ProgressRelay` and `ControllerMarks` put reports, failures and
-the worker group's phases on the run's channel of events to the driver (`events.py`; the console shows them and
+the worker group's phases on the driver's queue (where the console shows them and
 `tracking.MetricsLog` logs each report's metrics to MLflow); `ClusterRecount` keeps an elastic run's
 count of the cluster current.
 
@@ -12,6 +12,7 @@ the run's callbacks to every worker with its run context, where they do nothing.
 from __future__ import annotations
 
 import logging
+import pickle
 import re
 import time
 from pathlib import Path
@@ -21,8 +22,7 @@ import ray
 import ray.train
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-
-from raytrain_ddp.events import Channel
+from ray.util.queue import Queue
 
 logger = logging.getLogger(__name__)
 # An elastic run's recount of the cluster comes this long before Ray Train's resize check (its polls are
@@ -34,8 +34,8 @@ class ProgressRelay(ray.train.UserCallback):
     """Runs on the controller: forwards rank 0's metrics of every report, and every failure of the
     workers (with the checkpoint the restart will resume from), to the driver."""
 
-    def __init__(self, events: Channel, latest: str | None):
-        self.events, self.latest = events, latest
+    def __init__(self, queue: Queue, latest: str | None):
+        self.queue, self.latest = queue, latest
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if checkpoint is not None:
@@ -57,23 +57,26 @@ class ProgressRelay(ray.train.UserCallback):
 
     def _put(self, event: tuple) -> None:
         try:  # a display problem must never end the run (controller errors are not retried)
-            self.events.put(event)
+            self.queue.put(event, timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("progress event not shown: %s", e)
 
 
 class ControllerMarks(ControllerCallback, WorkerGroupCallback):
-    """Runs on Ray Train's controller: the worker group's phases, put on the run's channel of events
-    as ("marks", {phase: time}). Never raises (a callback error would end the run)."""
+    """Runs on Ray Train's controller: the worker group's phases, put on the driver's queue as
+    ("marks", {phase: time}). Never raises (a callback error would end the run)."""
 
-    def __init__(self, events: Channel):
-        self.events = events
+    def __init__(self, queue):
+        self.queue = queue
 
     def after_controller_start(self, train_run_context) -> None:
         self._put("controller")
         try:  # the driver's way to end the run when its resources do not come (run.resources_wait_s)
-            controller = ray.get_runtime_context().current_actor
-            self.events.put(("controller", controller, train_run_context.run_id))
+            # Pickled here: as a handle, the queue's actor would deserialize it, importing Ray Train's
+            # controller module first (~1 s), and this put and every one behind it would wait that
+            # long, holding up the worker group's start by as much in every run.
+            controller = pickle.dumps(ray.get_runtime_context().current_actor)
+            self.queue.put(("controller", controller, train_run_context.run_id), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("the controller's handle not sent to the driver: %s", e)
 
@@ -84,7 +87,7 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
         self._put("worker group")  # the worker actors up, their process group set up
         try:  # which node each rank is on: a failure then says which node was lost, if one was
             nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in worker_group.get_workers()}
-            self.events.put(("workers", nodes))
+            self.queue.put(("workers", nodes), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("the workers' nodes not sent to the driver: %s", e)
 
@@ -101,17 +104,17 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
         if was == now:  # called at every poll
             return
         try:
-            self.events.put(("state", now))
+            self.queue.put(("state", now), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("the controller's state not shown: %s", e)
         try:
             if now == "ResizingState":
-                self.events.put(("resizing", current_state.scaling_decision.num_workers))
+                self.queue.put(("resizing", current_state.scaling_decision.num_workers), timeout=5)
             elif now == "PreemptingState":
                 info = current_state.preemption_info
-                self.events.put(("preempting", info.preempted_node_to_ranks, info.deadline_ms))
+                self.queue.put(("preempting", info.preempted_node_to_ranks, info.deadline_ms), timeout=5)
             elif was == "PreemptingState":
-                self.events.put(("preempted", now == "RestartingState"))
+                self.queue.put(("preempted", now == "RestartingState"), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("a resize or preemption not shown: %s", e)
 
@@ -124,7 +127,7 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
 
     def _put(self, phase: str) -> None:
         try:
-            self.events.put(("marks", {phase: time.time()}))
+            self.queue.put(("marks", {phase: time.time()}), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("timeline mark %s not kept: %s", phase, e)
 

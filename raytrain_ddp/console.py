@@ -3,14 +3,15 @@ per failed attempt, and between reports the live progress (progress.py). (The su
 `summary.py`'s.)
 
 Reports and failures reach the Ray Train controller, not the driver; `callbacks.ProgressRelay` (a
-controller callback) puts each on the run's channel of events (`events.py`), which `LiveProgress`
-drains on the driver while `fit()` runs. Rank 0 puts its progress there too (`progress.Beacon`).
+controller callback) puts each on a Ray queue that `LiveProgress` drains on the driver while `fit()` runs.
+Rank 0 puts its progress on the same queue (`progress.Beacon`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import ray.train
 from ray.train import WorkerGroupError
+from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 from rich.markup import escape
 
 from raytrain_ddp import capacity, stream
 from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.checkpoint import position, rank
-from raytrain_ddp.events import Channel
 from raytrain_ddp.flops import si
 from raytrain_ddp.metrics import GENERATED, STOPPED, STOPPED_EARLY, STORAGE_RETRIED
 from raytrain_ddp.progress import PROGRESS, Progress
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from raytrain_ddp.plan import Plan
 
 logger = logging.getLogger(__name__)
-POLL_S = 0.25  # how often the driver takes the run's new events
+END = "end"  # put by the driver once fit() has returned
 WATCH_EVERY_S = 2.0  # how often the driver asks whether the workers wait for resources
 ANNOUNCE_AFTER_S = 10.0  # a placement that waits longer is said on the console (a healthy one takes < 1 s)
 # Ray Train's controller states of deciding how many workers to start: an elastic run below its
@@ -78,7 +80,7 @@ class LiveProgress:
         self.lost: list[str] = []  # the nodes lost with the latest failed attempt, described
         self.stopped: str | None = None
         self.config, self.gave_up = config, None  # gave_up: why the driver ended the run, if it did
-        self._controller = None  # Ray Train's controller actor, and its run's id (ControllerMarks sends them)
+        self._controller = None  # Ray Train's controller actor, pickled, and its run's id (ControllerMarks sends them)
         self._run_id = None
         self._worker_nodes: dict[int, str] = {}  # rank: node id, of the latest worker group
         self._preemption = ""  # the preemption under way, as said
@@ -94,67 +96,70 @@ class LiveProgress:
         self._thread = threading.Thread(target=self._drain, daemon=True)
 
     def __enter__(self) -> LiveProgress:
-        self.events = Channel()
-        self.relay = ProgressRelay(self.events, self.latest)
-        self.marks = ControllerMarks(self.events)
+        # On the driver's node: a node of the cluster may be lost, this one never without the driver.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+        self.relay = ProgressRelay(self.queue, self.latest)
+        self.marks = ControllerMarks(self.queue)
         self._status.start()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()  # fit() has returned: the controller has put its last event
+        self._stop.set()
+        with contextlib.suppress(Exception):  # behind every event already put: the drain ends at once
+            self.queue.put((END,), timeout=5)
         self._thread.join()
         self._status.stop()
         with contextlib.suppress(Exception):  # gone already, with a Ray that went down
-            self.events.close()
+            ray.kill(self.queue.actor)
 
     def _drain(self) -> None:
         while True:
-            stopping = self._stop.is_set()  # then this take is the last: it gets every event left
             try:
-                events = self.events.take()
-            except Exception as e:  # noqa: BLE001 - Ray gone: fit() says why
+                kind, *event = self.queue.get(timeout=0.5)
+            except Empty:
+                if self._stop.is_set():
+                    return
+                self._watch()
+                continue
+            except Exception as e:  # noqa: BLE001 - the queue's actor gone with its node or Ray: fit() says why
                 logger.warning("progress display stopped: %s", one_line(e))
                 return
-            for kind, *event in events:
-                self._handle(kind, event)
-            if stopping:
+            if kind == END:
                 return
+            if kind == "marks":
+                self.timeline.add(*event)
+                if "worker group" in event[0]:  # the workers placed and started
+                    self._placed()
+            elif kind == "controller":
+                self._controller, self._run_id = event
+                if self.config.scaling.elastic:  # it starts by deciding how many workers to start
+                    self._deciding_since = time.monotonic()
+            elif kind == "workers":
+                [self._worker_nodes] = event
+            elif kind == "state" and self.config.scaling.elastic:
+                deciding = event[0] in DECIDING
+                self._deciding_since = (self._deciding_since or time.monotonic()) if deciding else None
+            elif kind == "resizing":
+                self._resizing(*event)
+            elif kind == "preempting":
+                self._preempting(*event)
+            elif kind == "preempted":
+                self._preempted(*event)
+            elif kind == PROGRESS:
+                self._progressed(*event)
+            elif kind == "report":
+                metrics, self.latest = event
+                self._deciding_since = None
+                self.timeline.add(metrics.pop(MARKS, {}))
+                if self.reported is not None:
+                    self.reported(metrics)
+                self._show(metrics)
+            elif kind == "failure":
+                self.progress.restart()
+                self._failed(*event)
             self._watch()
-            self._stop.wait(POLL_S)
-
-    def _handle(self, kind: str, event: list) -> None:
-        if kind == "marks":
-            self.timeline.add(*event)
-            if "worker group" in event[0]:  # the workers placed and started
-                self._placed()
-        elif kind == "controller":
-            self._controller, self._run_id = event
-            if self.config.scaling.elastic:  # it starts by deciding how many workers to start
-                self._deciding_since = time.monotonic()
-        elif kind == "workers":
-            [self._worker_nodes] = event
-        elif kind == "state" and self.config.scaling.elastic:
-            deciding = event[0] in DECIDING
-            self._deciding_since = (self._deciding_since or time.monotonic()) if deciding else None
-        elif kind == "resizing":
-            self._resizing(*event)
-        elif kind == "preempting":
-            self._preempting(*event)
-        elif kind == "preempted":
-            self._preempted(*event)
-        elif kind == PROGRESS:
-            self._progressed(*event)
-        elif kind == "report":
-            metrics, self.latest = event
-            self._deciding_since = None
-            self.timeline.add(metrics.pop(MARKS, {}))
-            if self.reported is not None:
-                self.reported(metrics)
-            self._show(metrics)
-        elif kind == "failure":
-            self.progress.restart()
-            self._failed(*event)
 
     def _progressed(self, note: dict[str, Any]) -> None:
         self.progress.add(note)
@@ -253,7 +258,7 @@ class LiveProgress:
         if self._controller is None:
             logger.warning("cannot end the run: the controller's handle never came")
             return
-        ray.kill(self._controller, no_restart=True)
+        ray.kill(pickle.loads(self._controller), no_restart=True)
         capacity.withdraw(self._run_id)
 
     def _show(self, m: dict[str, Any]) -> None:

@@ -204,7 +204,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
         "example": plan.example,  # what the model generates from at each evaluation (generate_samples)
         "flops": plan.flops,  # what a training step costs: for model FLOP/s and MFU
         "shipped_datasets": shipped,  # torch Datasets, streams, a materialized Ray Dataset's blocks
-        "progress": progress.events,  # where rank 0 puts its live progress (run.progress_s)
+        "progress": progress.queue,  # where rank 0 sends its live progress (run.progress_s)
     }
     return _Trainer(
         # Bound to the loop, not passed as `train_loop_config`: Ray Train keeps that in the run's

@@ -2,8 +2,8 @@
 
 A report comes once an epoch (or every checkpoint.every_n_steps): with hour-long epochs the console
 would say nothing for an hour. Rank 0 alone notes each optimizer step (`Beacon.note`: one assignment,
-no synchronization, no collective), and a thread of its own puts the newest note on the run's channel
-of events to the driver (`events.py`) at most every run.progress_s seconds. The driver's `Progress`
+no synchronization, no collective), and a thread of its own sends the newest note to the driver's
+queue at most every run.progress_s seconds, without waiting for an answer. The driver's `Progress`
 turns the notes into what the console shows (console.LiveProgress): a line redrawn in place on a
 terminal; on anything else (a log, `ray job logs`, a notebook) a plain line at most every
 run.progress_log_s seconds, with no control characters.
@@ -25,10 +25,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from raytrain_ddp.events import Channel
-
 logger = logging.getLogger(__name__)
-PROGRESS = "progress"  # the channel's event: ("progress", {time, step, epoch, loss[, tokens_per_s]})
+PROGRESS = "progress"  # the queue's event: ("progress", {time, step, epoch, loss[, tokens_per_s]})
 RATE_WINDOW = 30  # notes the rate (and so the ETA) is measured over: about a minute at 2 s
 
 
@@ -36,10 +34,10 @@ class Beacon:
     """Rank 0's progress, noted by the training loop at each optimizer step and sent to the driver
     from a daemon thread. Elsewhere (other ranks, run.progress_s=0) `note` is all there is."""
 
-    def __init__(self, events: Channel | None, every_s: float, world_size: int):
+    def __init__(self, queue: Any, every_s: float, world_size: int):
         self._note: tuple | None = None
-        self.events, self.every_s, self.world_size = events, every_s, world_size
-        if events is not None and every_s > 0:
+        self.queue, self.every_s, self.world_size = queue, every_s, world_size
+        if queue is not None and every_s > 0:
             threading.Thread(target=self._send, daemon=True, name="raytrain_ddp-progress").start()
 
     def note(self, step: int, epoch: float, loss: torch.Tensor, count: torch.Tensor | int, tokens: int | None) -> None:
@@ -56,7 +54,7 @@ class Beacon:
             if note is None or note is sent:
                 continue
             try:  # never the run's problem: a lost line at most
-                self.events.put((PROGRESS, self._payload(note, sent)))
+                self.queue.actor.put_nowait.remote((PROGRESS, self._payload(note, sent)))
             except Exception as e:  # noqa: BLE001
                 logger.debug("progress not sent: %s", e)
             sent = note

@@ -128,10 +128,10 @@ def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session)
     config) imports neither (each a second and more of every run's start), and what the workers run
     besides (the loop) imports no mlflow."""
     import ray
+    from ray.util.queue import Queue
 
     from raytrain_ddp.backend import ProcessGroupConfig
     from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay
-    from raytrain_ddp.events import Channel
 
     @ray.remote(num_cpus=0)
     class Process:
@@ -143,45 +143,15 @@ def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session)
                 importlib.import_module(also)
             return {"torch", "mlflow"} & sys.modules.keys()
 
-    events = Channel()
+    queue = Queue(actor_options={"num_cpus": 0})
     process = Process.remote()
     try:
-        controllers = [ProgressRelay(events, None), ControllerMarks(events), ProcessGroupConfig()]
+        controllers = [ProgressRelay(queue, None), ControllerMarks(queue), ProcessGroupConfig()]
         assert ray.get(process.loaded.remote(controllers)) == set()
         assert ray.get(process.loaded.remote([], also="raytrain_ddp.loop")) == {"torch"}  # what the workers run
     finally:
         ray.kill(process)
-
-
-def test_the_channel_of_events_keeps_each_processs_order_and_loses_none(ray_session):
-    """The run's events (events.py) from two processes at once, a Ray task's and the driver's own,
-    taken while they are put: every one arrives once, each process's in its order; what is taken is
-    gone, and closing removes what was put after the last take."""
-    import ray
-
-    from raytrain_ddp.events import Channel
-
-    events = Channel()
-
-    @ray.remote(num_cpus=0)
-    def put(n: int) -> None:
-        for i in range(n):
-            events.put(("task", i))
-
-    sent = put.remote(200)
-    taken = []
-    for i in range(200):
-        events.put(("driver", i))
-        if i % 20 == 0:
-            taken += events.take()
-    ray.get(sent)
-    taken += events.take()
-    for source in ("task", "driver"):
-        assert [i for who, i in taken if who == source] == list(range(200)), source
-    assert events.take() == []
-    events.put(("late", 0))
-    events.close()
-    assert events.take() == []
+        ray.kill(queue.actor)
 
 
 def test_the_controller_and_workers_are_the_processes_the_driver_started_ahead(straight, module_workspace):
