@@ -91,7 +91,7 @@ def test_aws_node_configs_are_valid_ec2_launch_arguments():
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_token_auth_a_loopback_dashboard_and_a_head_without_workers(name):
+def test_token_auth_idle_workers_kept_a_loopback_dashboard_and_a_head_without_workers(name):
     config = ray_up_checks(load(name))
     [head_start] = [c for c in config["head_start_ray_commands"] if "ray start" in c]
     [worker_start] = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
