@@ -22,9 +22,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_collection_modifyitems(items):
+# The files that take longest, longest first (`time by file` of a clean clone, one test at a time,
+# 2026-11-29). `make test` runs the suite on two xdist workers, each taking the next file as it frees
+# up: the longest started first leaves short files for the end, so neither waits long for the other
+# (largest first, the classic rule for two machines). Every other file keeps its place after these.
+LONGEST_FIRST = [
+    f"tests/system/test_{name}.py"
+    for name in (
+        "node_loss", "cli", "reliability", "streaming", "slurm", "cluster", "jobs", "chat_sft", "s3",
+        "ray_up", "registration", "bench", "tracking_server", "notebook", "ddp", "training",
+    )
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(item.path.parent.name)  # "unit" or "system": the tier is where the test lives
+    rank = {path: place for place, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))
 
 
 @dataclass(frozen=True)
@@ -72,17 +87,23 @@ SCENARIOS: list[dict] = []  # the reliability figures, printed as a table at the
 
 
 @pytest.fixture
-def record():
-    """`record(scenario, attempts=..., resumed=..., wasted=..., checkpoints=..., versions=...)`."""
-    return lambda scenario, **figures: SCENARIOS.append({"scenario": scenario, **figures})
+def record(request):
+    """`record(scenario, attempts=..., resumed=..., wasted=..., checkpoints=..., versions=...)`. The row
+    travels in the test's report, as text, so it reaches the session's table from an xdist worker too."""
+    return lambda scenario, **figures: request.node.user_properties.append(
+        ("scenario", {"scenario": scenario, **{name: str(value) for name, value in figures.items()}})
+    )
 
 
 FILE_SECONDS: dict[str, float] = {}  # each test file's setup, call and teardown time: where the suite's time goes
 # Each test's wall time, the machine's CPU time over it and its cores' time waiting on the disk
 # (/proc/stat, every process's, the test's own Ray and servers included): a test whose cores sit idle
 # waits (a timeout, a poll, a server, or files read from a disk the page cache lost), and waiting is
-# cut differently from work.
+# cut differently from work. Meaningful by test only where one test runs at a time (`-n 0`); with two
+# xdist workers, the session's figure says how well the two kept the cores busy.
 TEST_CPU: dict[str, tuple[float, float, float]] = {}
+_STARTED = pytest.StashKey[tuple[float, tuple[float, float] | None]]()
+_SESSION: list[tuple[float, tuple[float, float] | None]] = []
 
 
 def _cpu_seconds() -> tuple[float, float] | None:
@@ -96,35 +117,63 @@ def _cpu_seconds() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq + steal) / tick, iowait / tick
 
 
+def pytest_sessionstart(session):
+    _SESSION.append((time.monotonic(), _cpu_seconds()))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item):
-    started, before = time.monotonic(), _cpu_seconds()
+    item.stash[_STARTED] = time.monotonic(), _cpu_seconds()
     yield
-    if before is not None:
-        (busy, iowait), wall = _cpu_seconds(), time.monotonic() - started
-        TEST_CPU[item.nodeid] = (wall, busy - before[0], iowait - before[1])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The test's CPU figures, in its teardown report (from an xdist worker too)."""
+    started, before = item.stash[_STARTED]
+    if call.when == "teardown" and before is not None:
+        busy, iowait = _cpu_seconds()
+        item.user_properties.append(("cpu", (time.monotonic() - started, busy - before[0], iowait - before[1])))
+    yield
 
 
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::", 1)[0]
     FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+    if report.when == "teardown":  # its user_properties: all the test added, fixtures' teardowns included
+        for name, value in report.user_properties:
+            if name == "scenario":
+                SCENARIOS.append(value)
+            elif name == "cpu":
+                TEST_CPU[report.nodeid] = value
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
+    cores = os.cpu_count() or 1
+    one_at_a_time = (config.getoption("numprocesses", None) or 0) <= 1  # xdist's -n
     if FILE_SECONDS:
         terminalreporter.section("time by file")
-        total, cores = sum(FILE_SECONDS.values()), os.cpu_count() or 1
+        total = sum(FILE_SECONDS.values())
         busy = {}
         for nodeid, (_, cpu, _) in TEST_CPU.items():
             path = nodeid.split("::", 1)[0]
             busy[path] = busy.get(path, 0.0) + cpu
         for path, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1]):
-            used = f"  cores {busy[path] / (seconds * cores):4.0%} busy" if path in busy and seconds > 1 else ""
+            shown = one_at_a_time and path in busy and seconds > 1
+            used = f"  cores {busy[path] / (seconds * cores):4.0%} busy" if shown else ""
             terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%}{used}  {path}")
         terminalreporter.write_line(f"{total:8.1f} s in all")
-    if TEST_CPU:
+    [(started, before)] = _SESSION
+    if before is not None:
+        wall, (busy_s, iowait) = time.monotonic() - started, _cpu_seconds()
+        idle = wall - (busy_s - before[0]) / cores
+        lanes = "one test at a time" if one_at_a_time else f"{config.getoption('numprocesses')} xdist workers"
+        terminalreporter.write_line(
+            f"the session: {wall:.1f} s, {lanes}; its {cores} cores {1 - idle / wall:.0%} busy, "
+            f"{idle:.1f} s idle ({(iowait - before[1]) / cores:.1f} s of it waiting on the disk)"
+        )
+    if TEST_CPU and one_at_a_time:
         terminalreporter.section("time the cores sat idle, by test")
-        cores = os.cpu_count() or 1
         idle = {nodeid: wall - cpu / cores for nodeid, (wall, cpu, _) in TEST_CPU.items()}
         disk = {nodeid: iowait / cores for nodeid, (_, _, iowait) in TEST_CPU.items()}
         for nodeid, seconds in sorted(idle.items(), key=lambda item: -item[1])[:15]:
