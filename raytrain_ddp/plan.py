@@ -167,12 +167,13 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
 def _connect(config: Config, address: ray_address.RayAddress, verbose: bool) -> None:
     try:
         session.connect(address, verbose)
-    except ConnectionError as e:  # the port answered, but not as a Ray GCS
+    except ConnectionError as e:  # the port answered, but not as a Ray GCS, or its GCS refused this process
         raise ConfigError(
             config.job,
             [
-                f"RAY_ADDRESS={address.join}: no Ray cluster answered there ({e}); give the head's GCS address "
-                f"(host:{ray_address.GCS_PORT} by default), or unset RAY_ADDRESS to start a local Ray"
+                f"RAY_ADDRESS={address.join}: the Ray cluster there could not be joined ({e}). "
+                f"{ray_address.token_hint()}; or the address is not the head's GCS address "
+                f"(host:{ray_address.GCS_PORT} by default); or unset RAY_ADDRESS to start a local Ray"
             ],
         ) from None
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 ADDRESS_ENV = "RAY_ADDRESS"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray's token auth: `token`, or `disabled`; unset: on where a token exists
 GCS_PORT = 6379  # Ray's default: where a driver joins a cluster (`ray start --head --port`)
 PROBE_TIMEOUT_S = 3.0
 
@@ -85,6 +86,20 @@ def check(value: str, timeout_s: float = PROBE_TIMEOUT_S, gcs_port: int = GCS_PO
             f"by default), or unset {ADDRESS_ENV} to start a local Ray"
         )
     return RayAddress(join=value)
+
+
+def token_hint() -> str:
+    """Why a cluster that answers may still refuse to be joined: its token auth (on by default where
+    `ray start` or `ray.init` made the cluster) refuses a process that sends no token, or another one."""
+    mode = os.environ.get(AUTH_MODE_ENV)
+    where = "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+    if mode is not None and mode.lower() != "token":
+        shown = mode or '""'
+        return (
+            f"{AUTH_MODE_ENV}={shown} sends no token, which a cluster with token auth (Ray's default) refuses: "
+            f"set {AUTH_MODE_ENV}=token, or unset it, with the cluster's token in {where}"
+        )
+    return f"a cluster with token auth (Ray's default) takes only its own token: {where}"
 
 
 def _answers(host: str, port: int, timeout_s: float) -> str | None:

@@ -11,7 +11,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from services import LoopbackCluster, MLflowServer, loopback_cluster
+from services import REPO, LoopbackCluster, MLflowServer, cli, loopback_cluster
 
 from raytrain_ddp import checkpoint
 from raytrain_ddp.tracking import CHECKPOINT_TAG
@@ -160,3 +160,18 @@ def test_storage_only_one_node_sees_and_defaults_inside_the_jobs_temporary_direc
         defaults_logs,
     )
     assert "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to a tracking server" in defaults_logs
+
+
+def test_a_driver_that_sends_no_token_is_refused_saying_what_to_set(cluster, tmp_path):
+    """The cluster has token auth: a driver on the head with RAY_AUTH_MODE=disabled reaches its GCS and
+    is refused. The error names the setting and where the token goes, not a wrong address."""
+    env = cluster.env | {"RAY_ADDRESS": f"127.0.0.1:{cluster.gcs_port}", "RAY_AUTH_MODE": "disabled"}
+    storage = (f"run.storage_path={tmp_path / 'runs'}", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    refused = cli("train", str(REPO / "tests" / "jobs" / "tiny.py"), *storage, cwd=tmp_path, env=env, timeout=120)
+
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    said = refused.stderr
+    assert f"RAY_ADDRESS=127.0.0.1:{cluster.gcs_port}: the Ray cluster there could not be joined" in said, said
+    assert "RAY_AUTH_MODE=disabled sends no token, which a cluster with token auth (Ray's default) refuses" in said
+    assert "set RAY_AUTH_MODE=token, or unset it, with the cluster's token in RAY_AUTH_TOKEN" in said
+    assert not (tmp_path / "runs").exists()
