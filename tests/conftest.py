@@ -103,7 +103,7 @@ FILE_SECONDS: dict[str, float] = {}  # each test file's setup, call and teardown
 # xdist workers, the session's figure says how well the two kept the cores busy.
 TEST_CPU: dict[str, tuple[float, float, float]] = {}
 _STARTED = pytest.StashKey[tuple[float, tuple[float, float] | None]]()
-_SESSION: list[tuple[float, tuple[float, float] | None]] = []
+_SESSION_STARTED = pytest.StashKey[tuple[float, tuple[float, float] | None]]()
 
 
 def _cpu_seconds() -> tuple[float, float] | None:
@@ -118,7 +118,7 @@ def _cpu_seconds() -> tuple[float, float] | None:
 
 
 def pytest_sessionstart(session):
-    _SESSION.append((time.monotonic(), _cpu_seconds()))
+    session.config.stash[_SESSION_STARTED] = time.monotonic(), _cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -163,7 +163,7 @@ def pytest_terminal_summary(terminalreporter, config):
             used = f"  cores {busy[path] / (seconds * cores):4.0%} busy" if shown else ""
             terminalreporter.write_line(f"{seconds:8.1f} s {seconds / total:6.1%}{used}  {path}")
         terminalreporter.write_line(f"{total:8.1f} s in all")
-    [(started, before)] = _SESSION
+    started, before = config.stash[_SESSION_STARTED]
     if before is not None:
         wall, (busy_s, iowait) = time.monotonic() - started, _cpu_seconds()
         idle = wall - (busy_s - before[0]) / cores
