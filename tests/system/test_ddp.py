@@ -334,6 +334,30 @@ def test_a_materialized_ray_dataset_is_read_by_each_rank_from_its_blocks_and_res
     assert sorted(rank0["val"] + rank1["val"]) == list(range(15))
 
 
+def test_a_materialized_datasets_blocks_are_listed_without_executing_it(ray_session):
+    """From its plan's source: Ray Data's execution would start its executor and create the cluster's
+    stats actor (one more process while a run starts). A lazy dataset is not listed."""
+    import numpy as np
+    import pyarrow as pa
+    import ray.data
+
+    from raytrain_ddp.stream import Blocks
+
+    column = lambda first, n: pa.table({"i": np.arange(first, first + n)})  # noqa: E731
+    for dataset in (
+        ray.data.from_blocks([column(0, 5), column(5, 7)]),
+        ray.data.from_numpy(np.arange(12)),
+        ray.data.range(12, override_num_blocks=3).materialize(),
+    ):
+        runs = dataset._run_index  # Ray Data counts its executors per dataset
+        blocks = Blocks.of(dataset)
+        assert blocks is not None and blocks.manifest.total == 12
+        first_row = blocks.read(blocks.manifest.files[0], 0, 1, 0)
+        assert next(iter(first_row.values()))[0] == 0
+        assert dataset._run_index == runs
+    assert Blocks.of(ray.data.range(12)) is None
+
+
 def test_a_token_summed_loss_steps_on_2_workers_with_or_without_accumulation_as_1_worker_on_all_rows(probe, tiny_chat):
     """Conversations of different lengths: the step is the mean over every trained token of the global
     batch, not a mean of per-worker or per-micro-batch means."""
