@@ -63,10 +63,12 @@ class LiveProgress:
         plan: Plan,
         timeline: Timeline,
         reported: Callable[[dict[str, Any]], None] | None = None,
+        training: Callable[[], None] | None = None,
     ):
         config = plan.config
         self.timeline = timeline  # the phases of the worker group (ControllerMarks) and of rank 0 (its reports)
         self.reported = reported  # called with every report's metrics, in order (tracking.MetricsLog.add)
+        self.training = training  # called once, as rank 0's first progress or report arrives: the ranks train
         self.console, self.epochs = console, config.train.epochs
         self.score, self.order = config.checkpoint.score_attribute, config.checkpoint.score_order
         self.max_failures, self.latest = config.run.max_failures, plan.resume.checkpoint
@@ -148,8 +150,10 @@ class LiveProgress:
             elif kind == "preempted":
                 self._preempted(*event)
             elif kind == PROGRESS:
+                self._began()
                 self._progressed(*event)
             elif kind == "report":
+                self._began()
                 metrics, self.latest = event
                 self._deciding_since = None
                 self.timeline.add(metrics.pop(MARKS, {}))
@@ -160,6 +164,11 @@ class LiveProgress:
                 self.progress.restart()
                 self._failed(*event)
             self._watch()
+
+    def _began(self) -> None:
+        if self.training is not None:
+            began, self.training = self.training, None
+            began()
 
     def _progressed(self, note: dict[str, Any]) -> None:
         self.progress.add(note)

@@ -105,12 +105,13 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     RunInterrupted says what failed, where the checkpoints are, the file with the workers' full
     tracebacks (printed too, `verbose`) and the command that resumes."""
     config = plan.config
-    # While Ray Train starts, the driver loads what registering the model will take, at the lowest
-    # priority: what the start leaves of the cores, not the steps of an epoch (bench/README.md).
-    if config.mlflow.register != "never" and plan.recipe.log_model is None:
-        tracking.prepare_model_logging()
+    # Once the ranks train, the driver loads what registering the model will take, at the lowest
+    # priority: not while Ray Train starts, which is the cores' work on a small machine (bench/README.md).
+    preparing = config.mlflow.register != "never" and plan.recipe.log_model is None
     metrics_log = tracking.MetricsLog(config.mlflow.tracking_uri, run_id)
-    progress = ui.LiveProgress(console, plan, timeline.current(), metrics_log.add)
+    progress = ui.LiveProgress(
+        console, plan, timeline.current(), metrics_log.add, tracking.prepare_model_logging if preparing else None
+    )
     try:
         with metrics_log:  # every report's metrics in MLflow before it ends
             result = _fit(plan, run_id, progress)

@@ -620,9 +620,11 @@ _preparing: threading.Thread | None = None  # prepare_model_logging's thread, on
 
 def prepare_model_logging() -> None:
     """Do, on a thread, the one-time work of `log_pytorch_model` (`rehearse_model_logging`), which the
-    driver would otherwise wait for after training. Started as fit() starts Ray Train's controller,
-    at the lowest CPU priority (`yield_the_cpu`): it takes what the start leaves of the cores, and what
-    is left of it when the workers train slows their steps while it runs (bench/README.md says how much)."""
+    driver would otherwise wait for after training. Started once the ranks train (the driver's first
+    progress or report from rank 0), not as Ray Train starts: on a small machine the start is the
+    cores' work, and where the driver joined a cluster of another session the lowest priority below
+    does not yield to it (bench/README.md measured 1 s of the first step). At the lowest CPU priority
+    (`yield_the_cpu`): what the steps leave of the cores, within the driver's session."""
     global _preparing
 
     def prepare() -> None:
