@@ -634,6 +634,7 @@ def prepare_model_logging() -> None:
         except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
             logger.debug("preparing model logging: %s", e)
 
+    logger.debug("preparing model logging ahead of the registration")
     _preparing = threading.Thread(target=prepare, name="prepare-model-logging", daemon=True)
     _preparing.start()
 

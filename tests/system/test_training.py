@@ -7,6 +7,7 @@ MLflow. (Exact resume, after a restart, a crash or a damaged checkpoint, is test
 from __future__ import annotations
 
 import io
+import logging
 import re
 from pathlib import Path
 
@@ -28,6 +29,21 @@ SETTINGS = (
     "checkpoint.score_attribute=val_loss",
     "checkpoint.score_order=min",
 )
+
+
+class _Preparing(logging.Handler):
+    """When a driver began preparing its registration (tracking.prepare_model_logging's debug line)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.began: list[float] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("preparing model logging ahead"):
+            self.began.append(record.created)
+
+
+PREPARING = _Preparing()  # the straight run's
 DIGITS_TRAIN_ROWS, DIGITS_VAL_ROWS = 1437, 360
 STEPS_PER_EPOCH = 23  # 718 rows per worker in batches of 32
 
@@ -45,7 +61,15 @@ def straight(ray_session, module_workspace):
     notebook_uri = f"sqlite:///{module_workspace.root / 'notebook.db'}"  # as if a notebook had its own
     mlflow.set_tracking_uri(notebook_uri)
     out = io.StringIO()  # no terminal: as a log, or `ray job logs`
-    summary = run(config, console=Console(file=out, width=1000))
+    tracking_log = logging.getLogger("raytrain_ddp.tracking")
+    level = tracking_log.level
+    tracking_log.addHandler(PREPARING)
+    tracking_log.setLevel(logging.DEBUG)
+    try:
+        summary = run(config, console=Console(file=out, width=1000))
+    finally:
+        tracking_log.removeHandler(PREPARING)
+        tracking_log.setLevel(level)
     assert mlflow.get_tracking_uri() == notebook_uri, "run() must leave the caller's MLflow tracking URI alone"
     return summary, config, out.getvalue()
 
@@ -178,6 +202,16 @@ def test_the_controller_and_workers_are_the_processes_the_driver_started_ahead(s
     assert len(workers) == 2
     assert launched[controller["Pid"]] < fit_ms[0] and launched[sync["Pid"]] < fit_ms[0], (controller, sync, launched)
     assert all(launched[w["Pid"]] < controller["StartTime"] for w in workers), (controller, workers, launched)
+
+
+def test_the_registration_is_prepared_once_the_ranks_train_not_while_ray_train_starts(straight, module_workspace):
+    """The driver's rehearsal of the model logging begins after rank 0's first step: while Ray Train
+    started it took a core from a cluster of another session (bench/README.md)."""
+    import json
+
+    marks = dict(json.loads((module_workspace.storage / "straight" / "timeline.json").read_text())["marks"])
+    [began] = PREPARING.began
+    assert marks["first step"] < began < marks["fit returned"], (marks, began)
 
 
 def test_a_process_asks_once_for_the_workers_a_run_refused_after_asking_left(straight):
