@@ -29,6 +29,8 @@ SETTINGS = (
     "checkpoint.score_attribute=val_loss",
     "checkpoint.score_order=min",
 )
+DIGITS_TRAIN_ROWS, DIGITS_VAL_ROWS = 1437, 360
+STEPS_PER_EPOCH = 23  # 718 rows per worker in batches of 32
 
 
 class _Preparing(logging.Handler):
@@ -44,8 +46,6 @@ class _Preparing(logging.Handler):
 
 
 PREPARING = _Preparing()  # the straight run's
-DIGITS_TRAIN_ROWS, DIGITS_VAL_ROWS = 1437, 360
-STEPS_PER_EPOCH = 23  # 718 rows per worker in batches of 32
 
 
 @pytest.fixture(scope="module")
