@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import os
 import sys
 import typing
@@ -133,10 +134,10 @@ def _train(args: argparse.Namespace) -> int:
 
     timeline.launch()
     timeline.mark("config")
-    from raytrain_ddp import session
+    from raytrain_ddp import prestart, session
 
-    if _new_run(config):  # Ray starts (or is joined) while torch and Ray Train load
-        session.start(address, args.verbose)
+    if _new_run(config):  # Ray starts (or is joined), and the run's processes, while torch and Ray Train load
+        session.start(address, args.verbose, functools.partial(prestart.ahead, config))
     elif (busy := _held_by_another_driver(config)) is not None:  # in a second, before torch and Ray load
         print(f"error: {busy}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ A finished run is known from its `Standing`, before Ray starts (`Standing.finish
 
 from __future__ import annotations
 
+import functools
 import secrets
 import shlex
 import time
@@ -24,8 +25,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import (
-    capacity,
     data,
     layering,
     preflight,
@@ -37,7 +38,6 @@ from raytrain_ddp import (
     timeline,
     tracking,
 )
-from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config, ConfigError
 from raytrain_ddp.early_stopping import ended_early
 from raytrain_ddp.errors import RunFailed
@@ -133,17 +133,11 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             console.print(f"[dim]{standing.address.note}[/]", highlight=False)
         with console.status("Starting Ray…"):
             _connect(config, standing.address, verbose)
-            # The workers' processes, loading torch while the datasets build and the recipe is checked.
-            fit_settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
-            prestart.start(config, fit_settings)
-            # Ray Train's controller waits for it: it starts while the datasets build. After the workers'
-            # processes: a raylet drops the part of a prestart request beyond its free start slots (one
-            # per CPU), and an actor's creation waits for one.
-            capacity.start_coordinator()
         timeline.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
             # The controller's process, now that the workers' have started (prestart.start_controller).
+            fit_settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
             prestart.start_controller(config, fit_settings)
             train_rows = data.num_rows(datasets["train"])
             timeline.mark("datasets")
@@ -166,7 +160,7 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
 
 def _connect(config: Config, address: ray_address.RayAddress, verbose: bool) -> None:
     try:
-        session.connect(address, verbose)
+        session.connect(address, verbose, functools.partial(prestart.ahead, config))
     except ConnectionError as e:  # the port answered, but not as a Ray GCS, or its GCS refused this process
         raise ConfigError(
             config.job,

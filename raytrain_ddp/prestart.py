@@ -35,7 +35,7 @@ import time
 import ray
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as HOOK_ENV
 
-from raytrain_ddp import capacity
+from raytrain_ddp import capacity, session
 from raytrain_ddp.config import Config
 
 KEEP_ALIVE_S = 300  # how long the raylet keeps them for this job, unused, before its idle-worker rules apply
@@ -87,6 +87,16 @@ def worker_runtime_env(config: Config) -> dict:
         return {}
     hook = "preload_ddp" if config.scaling.max_workers > 1 or config.train.compile else "preload"
     return {"env_vars": {HOOK_ENV: f"{__name__}.{hook}"}}
+
+
+def ahead(config: Config) -> None:
+    """What the run starts ahead once the driver has joined Ray (`session.connect`; the command's
+    `session.start`, on its thread, while the command still imports torch and Ray Train): the workers'
+    processes (`start`), then Ray's autoscaling coordinator, which Ray Train's controller waits for
+    (`capacity.start_coordinator`). In that order: a raylet drops the part of a prestart request
+    beyond its free start slots (one per CPU), and an actor's creation waits for one."""
+    start(config, session.fit_environment(config.run.controller_poll_s, config.scaling.elastic))
+    capacity.start_coordinator()
 
 
 def start(config: Config, fit_settings: dict[str, str]) -> int:

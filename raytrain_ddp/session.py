@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import ray
@@ -97,19 +97,23 @@ def ray_address() -> RayAddress:
     return RayAddress() if ray.is_initialized() and _started is None else check_environment()
 
 
-def start(address: RayAddress, verbose: bool) -> None:
-    """Start the local Ray (or join `address`) on a thread while the command goes on: importing torch
-    and Ray Train keeps one core busy for ~2 s, and Ray's processes start on the other meanwhile.
-    `connect` takes it up. Only for a run that will train: one answered from its record needs no Ray."""
+def start(address: RayAddress, verbose: bool, joined: Callable[[], None]) -> None:
+    """Start the local Ray (or join `address`) on a thread while the command goes on, then call
+    `joined` there: importing torch and Ray Train keeps one core busy for ~2 s, and Ray's processes
+    (the run's own among them, `joined` asks for them) start on the other meanwhile. `connect` takes
+    it up. Only for a run that will train: one answered from its record needs no Ray."""
     global _started
     _started = Future()
-    threading.Thread(target=_start_and_stay, args=(_started, address, verbose), name="ray-start", daemon=True).start()
+    threading.Thread(
+        target=_start_and_stay, args=(_started, address, verbose, joined), name="ray-start", daemon=True
+    ).start()
 
 
-def _start_and_stay(started: Future, address: RayAddress, verbose: bool) -> None:
+def _start_and_stay(started: Future, address: RayAddress, verbose: bool, joined: Callable[[], None]) -> None:
     try:
         with _quiet_about_the_thread():
             _init(address, verbose)
+        joined()
     except BaseException as e:  # noqa: BLE001 - for `connect` to raise, in the command's thread
         started.set_exception(e)
         return
@@ -135,19 +139,21 @@ def _quiet_about_the_thread() -> Iterator[None]:
         logger.removeFilter(not_the_warning)
 
 
-def connect(address: RayAddress, verbose: bool) -> None:
-    """Join `address` (checked by `ray_address`), else start a local Ray, unless this process has one
-    (or `start` began it: then wait for it). A cluster that accepts the connection but does not answer
-    like a Ray GCS raises ConnectionError."""
+def connect(address: RayAddress, verbose: bool, joined: Callable[[], None]) -> None:
+    """Join `address` (checked by `ray_address`), else start a local Ray, unless this process has one;
+    then call `joined` (or, where `start` began it, wait for it and its `joined`). A cluster that
+    accepts the connection but does not answer like a Ray GCS raises ConnectionError."""
     global _started
     os.environ.setdefault(DATA_USAGE_OFF_ENV, "1")  # for this process's executions; the environment's wins
     if _started is not None:
         started, _started = _started, None
-        started.result()
-    elif not ray.is_initialized():
-        _init(address, verbose)
-        if _sigterm_stops:
-            signal.signal(signal.SIGTERM, _stop)
+        started.result()  # `joined` called, on its thread
+    else:
+        if not ray.is_initialized():
+            _init(address, verbose)
+            if _sigterm_stops:
+                signal.signal(signal.SIGTERM, _stop)
+        joined()
     from ray.data import DataContext  # not before `start`: a new local Ray starts while the command imports it
 
     context = DataContext.get_current()

@@ -339,7 +339,7 @@ import ray
 from raytrain_ddp import data, session
 from raytrain_ddp.ray_address import RayAddress
 
-session.connect(RayAddress(join=sys.argv[1]), False)
+session.connect(RayAddress(join=sys.argv[1]), False, lambda: None)
 lazy = ray.data.range(64).map_batches(lambda batch: {"x": batch["id"] * 2})
 rows = data.example_batch(lazy, 0)  # an execution, in the driver
 print(json.dumps({"rows": rows["x"].tolist(), "threads": [t.name for t in threading.enumerate()]}))

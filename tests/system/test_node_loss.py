@@ -17,6 +17,7 @@ there.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -83,26 +84,39 @@ def _read_until(process: subprocess.Popen, pattern: str, seen: list[str], timeou
 
 
 @pytest.fixture(scope="module")
-def straight(cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The final weights of the run the interrupted ones are compared with."""
+def straight_run(cluster, tmp_path_factory) -> Path:
+    """The run the interrupted ones are compared with: its directory."""
     workdir = tmp_path_factory.mktemp("straight")
     done = _train(cluster, workdir, f"train.epochs={EPOCHS}", "run.name=straight")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return ckpt.open_verified(workdir / "runs" / "straight" / f"epoch_{EPOCHS:04d}").model_state()
+    return workdir / "runs" / "straight"
 
 
-def test_the_workers_on_both_nodes_are_the_processes_the_driver_started_ahead(cluster, straight):
+@pytest.fixture(scope="module")
+def straight(straight_run) -> dict[str, torch.Tensor]:
+    """Its final weights."""
+    return ckpt.open_verified(straight_run / f"epoch_{EPOCHS:04d}").model_state()
+
+
+def test_the_workers_on_both_nodes_are_the_processes_the_driver_started_ahead(cluster, straight_run):
     """One worker on each node fills the cluster: Ray has no choice of their nodes, and the driver
-    asked each node's raylet for its worker's process as it joined (prestart.py). Ray Train's workers
-    are those: launched before the controller's process (itself started ahead, once the datasets are
-    built), where processes Ray started for them would be launched after it (Ray's own record)."""
+    asked each node's raylet for its worker's process as it joined, while the command still imported
+    torch and Ray Train (prestart.py). Ray Train's workers are those: launched before the command's
+    imports ended and before the controller's process, where processes asked for once the driver had
+    loaded, or started by Ray as the controller asked, would be launched after (Ray's own record)."""
     launched = {(w["node_id"], w["pid"]): w["worker_launch_time_ms"] for w in cluster.state("workers", detail=True)}
     actors = cluster.state("actors", detail=True)
     [controller] = [a for a in actors if a["class_name"] == "TrainController"]  # straight's: the first run here
     workers = [a for a in actors if a["class_name"] == "RayTrainWorker"]
     assert {w["node_id"] for w in workers} == {n["node_id"] for n in cluster.nodes()}, workers  # one on each
+    imports_ms = dict(json.loads((straight_run / "timeline.json").read_text())["marks"])["imports"] * 1e3
     controller_launched = launched[controller["node_id"], controller["pid"]]
-    assert all(launched[w["node_id"], w["pid"]] < controller_launched for w in workers), (controller, workers, launched)
+    assert all(launched[w["node_id"], w["pid"]] < min(imports_ms, controller_launched) for w in workers), (
+        imports_ms,
+        controller,
+        workers,
+        launched,
+    )
 
 
 def test_a_node_lost_mid_run_waits_for_a_node_says_so_and_resumes_on_the_new_one(cluster, straight, tmp_path, record):
