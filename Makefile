@@ -25,7 +25,7 @@ demo: install
 # packages for the `ray up` test (sshd, rsync) and the compile test (g++) are installed where the
 # machine allows, else named. Two test files at a time (pytest-xdist: two workers, each taking the
 # next file, the longest first: tests/conftest.py): one test's waits on a server, a node or Slurm
-# are the other's working time (23.3-24.8 min on 2 cores, its cores 97 % busy; 26-27 min one at a time).
+# are the other's working time (22.9-24.8 min on 2 cores, its cores 97 % busy; 26-27 min one at a time).
 test: lint
 	bash tests/system-deps.sh
 	.venv/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -69,6 +70,7 @@ SIDE_OVERRIDES = {
     "B-quiet": ["run.progress_s=0"],
 }
 SIDE_ENV = {"B-usage": {"RAY_DATA_USAGE_DISABLED": "0"}}  # the driver's environment, beyond the harness's
+SETTLE_S = 30.0  # before each run, the longest wait for idle cores (`_settle`)
 DROP_FIRST_STEPS = 5  # of each epoch: iterator start-up, not the steady state
 # The goals (issue 16), each judged on the worst measured round, so a lucky round cannot make a miss look met.
 GOALS = {
@@ -117,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-dashboard", action="store_true", help="the warm sides' Ray (`ray start --head`) without its dashboard"
     )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=SETTLE_S,
+        help=f"before each run, wait for idle cores at most this long (default {SETTLE_S:g}; 0: not at all)",
+    )
     parser.add_argument("--table", metavar="JSON", help="only print (and rewrite) the Markdown table of a results file")
     args = parser.parse_args(argv)
     if args.table:
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"scaling.num_workers={workers}", *_device_overrides(args.gpu, workers), *args.overrides]
     config = _config(args.config, overrides)
     work = Path(tempfile.mkdtemp(prefix="rtb-"))  # short: Ray's socket paths live under it
-    bench = Bench(work, config, overrides, args.config, workers, dashboard=not args.no_dashboard)
+    bench = Bench(work, config, overrides, args.config, workers, not args.no_dashboard, args.settle_s)
     print(f"benchmark: {bench.describe()}; work directory {work}", flush=True)
 
     runs: list[Run] = []
@@ -177,10 +185,18 @@ def _config(layer: str | None, overrides: list[str]) -> dict:
 
 class Bench:
     def __init__(
-        self, work: Path, config: dict, overrides: list[str], layer: str | None, workers: int, dashboard: bool = True
+        self,
+        work: Path,
+        config: dict,
+        overrides: list[str],
+        layer: str | None,
+        workers: int,
+        dashboard: bool = True,
+        settle_s: float = SETTLE_S,
     ):
         self.work, self.config, self.overrides, self.layer, self.workers = work, config, overrides, layer, workers
         self.dashboard = dashboard  # the warm sides' Ray has one, as `ray start --head` does by default
+        self.settle_s = settle_s  # the longest wait for idle cores before a run
         self.address: str | None = None
         d, t = config["dataset"], config["train"]
         rows = len(workload.rank_rows(d["rows"], 0, workers))
@@ -259,6 +275,7 @@ class Bench:
                 env |= self.cluster_env
             env |= SIDE_ENV.get(side, {})
         log = directory / "log.txt"
+        _settle(self.settle_s)
         with open(log, "w") as out:
             launched = time.time()
             exit_code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
@@ -370,12 +387,7 @@ class RayCluster:
             command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.time() + 120
-        while (
-            subprocess.run(
-                [_exe("ray"), "status", f"--address={b.address}"], env=env | b.cluster_env, capture_output=True
-            ).returncode
-            != 0
-        ):
+        while not _cluster_up(b.address, env | b.cluster_env):
             if self.process.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the benchmark's Ray head did not start; see {b.work / 'ray-head.txt'}")
             time.sleep(1)
@@ -394,6 +406,23 @@ class RayCluster:
 
     def process_info(self) -> psutil.Process:
         return psutil.Process(self.process.pid)
+
+
+def _cluster_up(address: str, env: dict[str, str]) -> bool:
+    """`ray status` names an active node: the head's raylet has registered. Its exit status alone
+    is 0 as soon as the GCS answers ("No cluster status" while the node still starts): until
+    2026-11-29 every warm round began there, 0.5-4.5 s before the node registered."""
+    done = subprocess.run([_exe("ray"), "status", f"--address={address}"], env=env, capture_output=True, text=True)
+    return done.returncode == 0 and re.search(r"Active:\s*\n\s*\d+ node_", done.stdout) is not None
+
+
+def _settle(limit_s: float, busy_percent: float = 10.0) -> None:
+    """Wait until the cores are idle (under `busy_percent` busy over half a second), at most `limit_s`:
+    each run starts on quiet cores, not beside the last one's processes still exiting or a new
+    cluster's still starting."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline and psutil.cpu_percent(interval=0.5) >= busy_percent:
+        pass
 
 
 def _signal(process: psutil.Process, sig: int) -> None:
