@@ -410,8 +410,8 @@ class RayCluster:
 
 def _cluster_up(address: str, env: dict[str, str]) -> bool:
     """`ray status` names an active node: the head's raylet has registered. Its exit status alone
-    is 0 as soon as the GCS answers ("No cluster status" while the node still starts): until
-    2026-11-29 every warm round began there, 0.5-4.5 s before the node registered."""
+    is 0 as soon as the GCS answers ("No cluster status" while the node still starts): the warm
+    rounds of a run checked that way began 0.5-4.5 s before their node registered (bench/README.md)."""
     done = subprocess.run([_exe("ray"), "status", f"--address={address}"], env=env, capture_output=True, text=True)
     return done.returncode == 0 and re.search(r"Active:\s*\n\s*\d+ node_", done.stdout) is not None
 
