@@ -59,15 +59,16 @@ sys.path.insert(0, str(BENCH))
 import torchrun_ddp  # noqa: E402  (the same config reader as side A)
 import workload  # noqa: E402
 
-SIDES = ("A", "B-cold", "B-cold-fresh", "B", "B-fresh", "B-usage", "B-async", "B'", "B-quiet")
-DEFAULT_SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")  # the -fresh and -usage ones when asked for
-WARM = ("B", "B-fresh", "B-usage", "B-async", "B'", "B-quiet")  # run while the harness's Ray cluster is up
+SIDES = ("A", "B-cold", "B-cold-fresh", "B", "B-fresh", "B-usage", "B-unregistered", "B-async", "B'", "B-quiet")
+DEFAULT_SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")  # the others when asked for
+WARM = ("B", "B-fresh", "B-usage", "B-unregistered", "B-async", "B'", "B-quiet")  # while the harness's Ray is up
 SIDE_OVERRIDES = {
     "B-cold-fresh": ["run.prestart_workers=false"],
     "B-fresh": ["run.prestart_workers=false"],
     "B-async": ["checkpoint.upload=async"],
     "B'": ["dataset.source=torch"],
     "B-quiet": ["run.progress_s=0"],
+    "B-unregistered": ["mlflow.register=never"],
 }
 SIDE_ENV = {"B-usage": {"RAY_DATA_USAGE_DISABLED": "0"}}  # the driver's environment, beyond the harness's
 SETTLE_S = 30.0  # before each run, the longest wait for idle cores (`_settle`)
@@ -668,6 +669,7 @@ _SIDE_NAMES = {
     "B-cold-fresh": "B cold, workers not ahead",
     "B-fresh": "B, workers not ahead",
     "B-usage": "B, Ray Data usage collection on",
+    "B-unregistered": "B, no registration",
 }
 
 
