@@ -137,8 +137,7 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
             # The controller's process, now that the workers' have started (prestart.start_controller).
-            fit_settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
-            prestart.start_controller(config, fit_settings)
+            prestart.start_controller(config)
             train_rows = data.num_rows(datasets["train"])
             timeline.mark("datasets")
             example = data.example_batch(datasets["val"], config.seed)

@@ -95,11 +95,11 @@ def ahead(config: Config) -> None:
     processes (`start`), then Ray's autoscaling coordinator, which Ray Train's controller waits for
     (`capacity.start_coordinator`). In that order: a raylet drops the part of a prestart request
     beyond its free start slots (one per CPU), and an actor's creation waits for one."""
-    start(config, session.fit_environment(config.run.controller_poll_s, config.scaling.elastic))
+    start(config)
     capacity.start_coordinator()
 
 
-def start(config: Config, fit_settings: dict[str, str]) -> int:
+def start(config: Config) -> int:
     """Ask the raylets of the nodes the run's workers will be on for their processes, loading their
     modules as they start; returns how many. 0 where it would not pay, or where the raylets did not
     take the request (the run goes on as it would have: its workers start when Ray Train asks for
@@ -108,11 +108,11 @@ def start(config: Config, fit_settings: dict[str, str]) -> int:
     if config.scaling.use_gpu or _here(config, alive) is None:
         return 0
     raylets = {node["NodeID"]: node for node in alive}
-    env = _as_the_controller_sends({"env_vars": controller_env(fit_settings) | worker_runtime_env(config)["env_vars"]})
+    env = _as_the_controller_sends({"env_vars": controller_env(config) | worker_runtime_env(config)["env_vars"]})
     return sum(_ask(raylets[node], env, count) for node, count in capacity.placement(config).items() if node in raylets)
 
 
-def start_controller(config: Config, fit_settings: dict[str, str]) -> int:
+def start_controller(config: Config) -> int:
     """Ask the local raylet for two processes of Ray Train's controller's runtime environment: the
     controller's, and its synchronization actor's (which inherits that environment); both are placed
     on the driver's node, here, whatever the cluster. Returns 2, or 0 as `start` does. Asked once the
@@ -122,7 +122,7 @@ def start_controller(config: Config, fit_settings: dict[str, str]) -> int:
     here = _here(config, [node for node in ray.nodes() if node["Alive"]])
     if here is None:
         return 0
-    return _ask(here, _as_the_driver_sends({"env_vars": controller_env(fit_settings)}), 2)
+    return _ask(here, _as_the_driver_sends({"env_vars": controller_env(config)}), 2)
 
 
 def taken() -> None:
@@ -132,12 +132,13 @@ def taken() -> None:
     _idle.clear()
 
 
-def controller_env(fit_settings: dict[str, str]) -> dict[str, str]:
+def controller_env(config: Config) -> dict[str, str]:
     """The environment variables of Ray Train's controller, its runtime environment: those it
-    propagates from the driver's environment as fit() starts (under `fit_settings`), and its default."""
+    propagates from the driver's environment as fit() starts (with the run's settings in it,
+    `session.fit_environment`), and its default."""
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
 
-    driver = os.environ | fit_settings
+    driver = os.environ | session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
     return _CONTROLLER_DEFAULTS | {key: driver[key] for key in ENV_VARS_TO_PROPAGATE if key in driver}
 
 

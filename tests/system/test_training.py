@@ -223,16 +223,15 @@ def test_a_process_asks_once_for_the_workers_a_run_refused_after_asking_left(str
     """The raylet starts as many processes as it is asked for, whatever it has idle: a run refused after
     its driver asked (a notebook's, the tests') leaves them for the next run of the process to take,
     rather than two more processes each time."""
-    from raytrain_ddp import prestart, session
+    from raytrain_ddp import prestart
 
     _, config, _ = straight
-    settings = session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
-    assert prestart.start(config, settings) == 2
-    assert prestart.start_controller(config, settings) == 2
-    assert prestart.start(config, settings) == 0  # those are still idle: the next fit() takes them
-    assert prestart.start_controller(config, settings) == 0
-    assert prestart.start(with_overrides(config, "run.prestart_workers=false"), settings) == 0
-    assert prestart.start_controller(with_overrides(config, "run.prestart_workers=false"), settings) == 0
+    assert prestart.start(config) == 2
+    assert prestart.start_controller(config) == 2
+    assert prestart.start(config) == 0  # those are still idle: the next fit() takes them
+    assert prestart.start_controller(config) == 0
+    assert prestart.start(with_overrides(config, "run.prestart_workers=false")) == 0
+    assert prestart.start_controller(with_overrides(config, "run.prestart_workers=false")) == 0
 
 
 def test_the_registered_model_reproduces_the_reported_validation_accuracy(straight):
