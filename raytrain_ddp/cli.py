@@ -14,6 +14,7 @@ import argparse
 import atexit
 import functools
 import os
+import signal
 import sys
 import typing
 from collections.abc import Sequence
@@ -141,14 +142,29 @@ def _train(args: argparse.Namespace) -> int:
     elif (busy := _held_by_another_driver(config)) is not None:  # in a second, before torch and Ray load
         print(f"error: {busy}", file=sys.stderr)
         return 2
+    # Ctrl-C while loading is noted, and acted on once the imports end (a few seconds): raised inside
+    # them, it can land in the import machinery's callback of a lock, where Python prints it and drops
+    # it, and the command went on to train (seen in CI).
+    pressed: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        pressed.append(signum)
+
+    handler = signal.signal(signal.SIGINT, note)
     try:
         from raytrain_ddp.driver import run  # torch and Ray, only to train (MLflow comes while Ray starts)
         from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
         from raytrain_ddp.lease import RunBusy
+
+        if pressed:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         session.leave()
         print("interrupted (Ctrl-C) while loading, before anything was read or written", file=sys.stderr)
         return 130
+    finally:
+        if signal.getsignal(signal.SIGINT) is note:  # not one an import installed meanwhile
+            signal.signal(signal.SIGINT, handler)
     timeline.mark("imports")
     session.stop_on_sigterm()
 
