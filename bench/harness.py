@@ -50,7 +50,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from raytrain_ddp.flops import count, peak_flops
+from raytrain_ddp.worker.flops import count, peak_flops
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent

@@ -1,6 +1,6 @@
 """The image_folder job on the same image files, read three ways (bench/streaming.py):
 
-    stream       the job as it is: raytrain_ddp.stream.ImageFolder, read, decoded and augmented by Ray
+    stream       the job as it is: raytrain_ddp.data.stream.ImageFolder, read, decoded and augmented by Ray
                  Data tasks while training goes
     memory       every image decoded once on the driver into a materialized Ray Dataset, the same
                  augmentation in a lazy map_batches every epoch (Ray Train's usual ingest)
@@ -20,7 +20,8 @@ import ray.data
 import torch
 from torch.utils.data import Dataset
 
-from raytrain_ddp import recipe, stream
+from raytrain_ddp.config import recipe
+from raytrain_ddp.data import stream
 
 _job = recipe.load("image_folder")
 build_model, compute_loss, evaluate, model_input = _job.build_model, _job.compute_loss, _job.evaluate, _job.model_input

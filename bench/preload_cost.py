@@ -29,7 +29,7 @@ BIN = Path(sys.executable).parent
 PREPARE = """
 import os, sys, threading, time
 import mlflow, torch  # as in the driver by then
-from raytrain_ddp import tracking
+from raytrain_ddp.registry import tracking
 policy = sys.argv[1]
 print("ready", flush=True)
 sys.stdin.readline()

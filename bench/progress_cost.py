@@ -19,7 +19,7 @@ import ray
 import torch
 from ray.util.queue import Queue
 
-from raytrain_ddp.progress import Beacon
+from raytrain_ddp.worker.progress import Beacon
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ before, or inside it; each per-GPU batch), it compiles the model as both benchma
 steps after `--warmup` steps, and profiles three more (torch.profiler): GPU time by kind of kernel
 (matrix products and convolutions, attention, the compiler's fused kernels, the optimizer, the rest)
 and the ten longest kernels. MFU as the harness counts it: a step's FLOPs per token (GPT-2) or per
-image from raytrain_ddp's counter over the device's dense bf16 peak (raytrain_ddp.flops.PEAKS).
+image from raytrain_ddp's counter over the device's dense bf16 peak (raytrain_ddp.worker.flops.PEAKS).
 Runs on a CPU too, for a quick look (`--layers 1`), without MFU.
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(BENCH))
 import workload  # noqa: E402
 from torchrun_ddp import build_optimizer  # noqa: E402  (the benchmark's AdamW, both sides')
 
-from raytrain_ddp.flops import count, peak_flops  # noqa: E402
+from raytrain_ddp.worker.flops import count, peak_flops  # noqa: E402
 
 SEQUENCE = 1024
 KINDS = [  # first match wins: a kernel's name -> its kind

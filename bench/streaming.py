@@ -118,8 +118,8 @@ def resume_times(root: Path, rows: int, rounds: int) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_ddp import stream
-    from raytrain_ddp.config import DataSettings
+    from raytrain_ddp.config.schema import DataSettings
+    from raytrain_ddp.data import stream
 
     rng = np.random.default_rng(0)
     root.mkdir(parents=True)

@@ -53,7 +53,7 @@ def main() -> None:
 
     torch.manual_seed(config["seed"])
     model = recipe.build_model(**config["model"]).to(device)
-    # As raytrain_ddp.loop.wrap_model: the model compiled inside DDP, so DDP's buckets split the graph;
+    # As raytrain_ddp.worker.loop.wrap_model: the model compiled inside DDP, so DDP's buckets split the graph;
     # and as Ray's prepare_model there, no DDP for a single process (on one GPU, compiled GPT-2 stepped
     # in 44.6 ms inside DDP against 32.9 without: bench/README.md, One H200).
     trained = torch.compile(model, dynamic=False) if train.get("compile") else model
@@ -110,7 +110,7 @@ def main() -> None:
 
 
 def build_optimizer(model: torch.nn.Module, train: dict) -> torch.optim.Optimizer:
-    """raytrain_ddp.optim.build_optimizer for the workload's AdamW, mirrored: weight decay on matrices
+    """raytrain_ddp.worker.optim.build_optimizer for the workload's AdamW, mirrored: weight decay on matrices
     only, in two parameter groups; fused kernels, which torch has on CPU and CUDA."""
     if train["optimizer"] != "adamw":
         raise SystemExit(f"train.optimizer={train['optimizer']}: side A mirrors the service's AdamW only")

@@ -12,7 +12,7 @@ split, with an id and a source column beside them), where the path has no train 
         model.num_features=128 model.num_classes=7
 
 Each shard's footer gives its rows; within each worker's share, rows are shuffled in windows of
-train.local_shuffle_buffer_size (raytrain_ddp/stream.py). The model standardizes its input with the
+train.local_shuffle_buffer_size (raytrain_ddp/data/stream.py). The model standardizes its input with the
 mean and standard deviation of the first shard's rows (build_datasets' `fitted`), so the registered
 model takes raw feature vectors.
 """

@@ -8,7 +8,7 @@ statistics held inside it (build_datasets' `fitted`), so the registered model ta
     raytrain-ddp train regression
     raytrain-ddp train regression model.hidden=128 train.epochs=60
 
-A job is five functions (see raytrain_ddp/recipe.py). Their keyword arguments are the YAML's `model:`
+A job is five functions (see raytrain_ddp/config/recipe.py). Their keyword arguments are the YAML's `model:`
 and `dataset:` keys: their defaults and limits live here, once, and are checked before Ray starts.
 """
 

@@ -4,9 +4,9 @@ from raytrain_ddp import load_config, run
 summary = run(load_config("digits", overrides=["train.epochs=3"]))
 """
 
-from raytrain_ddp.config import Config, ConfigError
-from raytrain_ddp.layering import load_config, with_overrides
-from raytrain_ddp.lease import RunBusy
+from raytrain_ddp.checkpoint.lease import RunBusy
+from raytrain_ddp.config.layering import load_config, with_overrides
+from raytrain_ddp.config.schema import Config, ConfigError
 
 __all__ = [
     "Config",
@@ -24,9 +24,9 @@ __all__ = [
 
 # torch, Ray Train and MLflow load on first use, so `--help` and config checks stay fast.
 _LAZY = {
-    "run": "raytrain_ddp.driver",
-    "register": "raytrain_ddp.registration",
-    "RunSummary": "raytrain_ddp.summary",
+    "run": "raytrain_ddp.driver.run",
+    "register": "raytrain_ddp.registry.registration",
+    "RunSummary": "raytrain_ddp.driver.summary",
     "RunFailed": "raytrain_ddp.errors",
     "RunInterrupted": "raytrain_ddp.errors",
     "RegistrationFailed": "raytrain_ddp.errors",

@@ -23,10 +23,10 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from raytrain_ddp import ray_address
-from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import Config, ConfigError
-from raytrain_ddp.layering import load_config
+from raytrain_ddp.cluster import ray_address
+from raytrain_ddp.config import recipe as recipes
+from raytrain_ddp.config.layering import load_config
+from raytrain_ddp.config.schema import Config, ConfigError
 
 OVERRIDES_HELP = """\
 overrides:
@@ -131,11 +131,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {ConfigError(config.job, [address.problem])}", file=sys.stderr)
         return 2
 
-    from raytrain_ddp import timeline  # the run's phases, timed from this process's launch
+    from raytrain_ddp.driver import timeline  # the run's phases, timed from this process's launch
 
     timeline.launch()
     timeline.mark("config")
-    from raytrain_ddp import prestart, session
+    from raytrain_ddp.cluster import prestart, session
 
     if _new_run(config):  # Ray starts (or is joined), and the run's processes, while torch and Ray Train load
         session.start(address, args.verbose, functools.partial(prestart.ahead, config))
@@ -152,9 +152,9 @@ def _train(args: argparse.Namespace) -> int:
 
     handler = signal.signal(signal.SIGINT, note)
     try:
-        from raytrain_ddp.driver import run  # torch and Ray, only to train (MLflow comes while Ray starts)
+        from raytrain_ddp.checkpoint.lease import RunBusy
+        from raytrain_ddp.driver.run import run  # torch and Ray, only to train (MLflow comes while Ray starts)
         from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
-        from raytrain_ddp.lease import RunBusy
 
         if pressed:
             raise KeyboardInterrupt
@@ -194,7 +194,7 @@ def _train(args: argparse.Namespace) -> int:
 def _new_run(config: Config) -> bool:
     """Whether `config` starts a new run (a run found on storage may have finished: answered from its
     record, without Ray). A run on remote storage is looked for later, with Ray."""
-    from raytrain_ddp import storage
+    from raytrain_ddp.checkpoint import storage
 
     name, path = config.run.name, config.run.storage_path
     return name is None or not storage.is_uri(path) and not Path(_run_path(config)).exists()
@@ -202,7 +202,7 @@ def _new_run(config: Config) -> bool:
 
 def _run_path(config: Config) -> str:
     """The named run's directory: an absolute local path, or a URI (s3://bucket/prefix/name)."""
-    from raytrain_ddp import storage
+    from raytrain_ddp.checkpoint import storage
 
     return storage.absolute(config.run.path)
 
@@ -210,8 +210,8 @@ def _run_path(config: Config) -> str:
 def _held_by_another_driver(config: Config) -> str | None:
     """Why a run found on storage cannot be trained now: a live driver holds it (the run's own check,
     under the lease it takes, says the same later)."""
-    from raytrain_ddp import lease
-    from raytrain_ddp.lease import RunBusy
+    from raytrain_ddp.checkpoint import lease
+    from raytrain_ddp.checkpoint.lease import RunBusy
 
     try:
         lease.check(_run_path(config))
@@ -224,16 +224,16 @@ def _leave_ray() -> None:
     """Leave Ray (and stop the local one this command started) now, rather than in the interpreter's
     exit: with torch and MLflow loaded, Ray's exit hook and the interpreter's teardown take a second
     longer."""
-    from raytrain_ddp import session
+    from raytrain_ddp.cluster import session
 
     session.leave()
 
 
 def _register(args: argparse.Namespace) -> int:
-    from raytrain_ddp.checkpoint import NoValidCheckpoint
+    from raytrain_ddp.checkpoint.format import NoValidCheckpoint
+    from raytrain_ddp.checkpoint.lease import RunBusy
     from raytrain_ddp.errors import RunFailed
-    from raytrain_ddp.lease import RunBusy
-    from raytrain_ddp.registration import register
+    from raytrain_ddp.registry.registration import register
 
     try:
         register(args.run, tracking_uri=args.tracking_uri, verbose=args.verbose)
@@ -250,7 +250,7 @@ def _register(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from raytrain_ddp import tracking
+    from raytrain_ddp.registry import tracking
 
     uri = tracking.resolve_tracking_uri(args.tracking_uri)
     if (unreachable := tracking.check_server(uri)) is not None:

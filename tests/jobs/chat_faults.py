@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from raytrain_ddp import recipe as recipes
+from raytrain_ddp.config import recipe as recipes
 
 SFT = recipes.load(str(Path(__file__).parents[2] / "jobs" / "chat_sft.py"))
 build_datasets, evaluate = SFT.build_datasets, SFT.evaluate

@@ -180,7 +180,7 @@ def model_input(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def count_flops(model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
-    """A training step's FLOPs, in closed form (so a CPU run reports model FLOP/s, see raytrain_ddp/flops.py):
+    """A training step's FLOPs, in closed form (so a CPU run reports model FLOP/s, see raytrain_ddp/worker/flops.py):
     per row, 2 per weight of the two layers forward, 2 per weight for their gradients, and 2 per weight
     of the second for its input's gradient (the data needs none)."""
     return flops_per_row(model.body[0].out_features) * len(batch["x"])

@@ -13,7 +13,7 @@ def ray_session():
     the service starts its own (session.OWN_RAY)."""
     import ray
 
-    from raytrain_ddp.session import OWN_RAY
+    from raytrain_ddp.cluster.session import OWN_RAY
 
     ray.init(log_to_driver=False, logging_level=logging.ERROR, **OWN_RAY)
     yield

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from services import REPO, user_env
 
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import timeline
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.driver import timeline
 
 # B-cold is B without a Ray running: the path of every command-line test; B' is B on a torch Dataset,
 # the path of tests/system/test_ddp.py. Both left out here for time.
@@ -60,7 +60,7 @@ def test_one_short_run_of_every_side_gives_the_table_and_equal_weights(tmp_path)
     assert figures["A"]["reported_throughput"] is None and figures["B"]["reported_throughput"]["median"] > 0
     assert all(f["reported_mfu"] is None and f["mfu"] is None for f in figures.values())
     # Each rank on the threads its CPUs give it, as torchrun's: B's workers, started ahead with torch
-    # loaded (raytrain_ddp/prestart.py), take Ray's count, not the machine's.
+    # loaded (raytrain_ddp/cluster/prestart.py), take Ray's count, not the machine's.
     assert all(f["threads"] == figures["A"]["threads"] == [1, 1] for f in figures.values())
     # The same batches, model, seed and optimizer: the same weights.
     for side in ("B", "B-async"):

@@ -47,7 +47,7 @@ def server(tmp_path_factory):
 
 
 def test_two_runs_registering_at_once_leave_one_consistent_champion(server):
-    from raytrain_ddp import tracking
+    from raytrain_ddp.registry import tracking
 
     client = server.client()
     client.create_experiment("race")
@@ -84,7 +84,7 @@ def test_two_runs_registering_at_once_leave_one_consistent_champion(server):
 
 
 def _version_of(client, checkpoint: str) -> int:
-    from raytrain_ddp.tracking import CHECKPOINT_TAG
+    from raytrain_ddp.registry.tracking import CHECKPOINT_TAG
 
     [version] = [v for v in client.search_model_versions(f"name = '{MODEL}'") if v.tags[CHECKPOINT_TAG] == checkpoint]
     return int(version.version)
@@ -96,7 +96,7 @@ def _alias(client, alias: str) -> int:
 
 def _registry(client) -> str:
     """Each version's checkpoint, score and how it fared; the aliases."""
-    from raytrain_ddp.tracking import CHAMPION_TAG, CHECKPOINT_TAG, SCORE_TAG
+    from raytrain_ddp.registry.tracking import CHAMPION_TAG, CHECKPOINT_TAG, SCORE_TAG
 
     versions = sorted(client.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
     said = [f"v{v.version} {v.tags[CHECKPOINT_TAG]} {v.tags[SCORE_TAG]}: {v.tags.get(CHAMPION_TAG)}" for v in versions]
@@ -109,7 +109,8 @@ def _register_rounds(uri: str, who: str, start, done, created) -> None:
     import numpy as np
     import torch
 
-    from raytrain_ddp import load_config, tracking
+    from raytrain_ddp import load_config
+    from raytrain_ddp.registry import tracking
 
     overrides = [
         f"mlflow.tracking_uri={uri}",
@@ -145,7 +146,7 @@ def _register_rounds(uri: str, who: str, start, done, created) -> None:
 
 def _log_then_wait(model, example, created, later_s: float, *, name: str):
     """Log the model as a run does, then wait for the other process (and `later_s` more)."""
-    from raytrain_ddp import tracking
+    from raytrain_ddp.registry import tracking
 
     info = tracking.log_pytorch_model(model, example, name=name)
     created.wait(timeout=120)

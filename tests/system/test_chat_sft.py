@@ -17,7 +17,7 @@ import torch
 from services import BIN, free_port, serve, stop_group, user_env
 
 from raytrain_ddp import ConfigError, load_config
-from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.checkpoint import format as ckpt
 
 FAULTS = str(Path(__file__).parents[1] / "jobs" / "chat_faults.py")
 # examples/tiny_chat.py's settings (chat_sft.yaml in its directory): 240 conversations over 2 workers,

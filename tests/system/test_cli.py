@@ -22,7 +22,7 @@ import pytest
 from services import cli as raytrain_ddp
 from services import free_port, user_env, wait_until
 
-from raytrain_ddp import timeline
+from raytrain_ddp.driver import timeline
 
 CLI = str(Path(sys.executable).parent / "raytrain-ddp")
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
@@ -180,7 +180,7 @@ def _latest_checkpoint(run_dir: Path) -> Path:
     controller that would record it is gone), else Ray's record's latest."""
     import ray.train
 
-    from raytrain_ddp import checkpoint as ckpt
+    from raytrain_ddp.checkpoint import format as ckpt
 
     latest = Path(ray.train.Result.from_path(run_dir).checkpoint.path).name
     return run_dir / (ckpt.newest_unrecorded(str(run_dir), latest) or latest)
@@ -297,7 +297,7 @@ def test_ctrl_c_while_the_command_loads_stops_its_starting_ray_and_says_so(tmp_p
 LEAVE_WHILE_A_THREAD_COLLECTS = """
 import gc, os, sys, threading, time
 import ray
-from raytrain_ddp import session
+from raytrain_ddp.cluster import session
 
 ray.init(address=sys.argv[1], log_to_driver=False)
 class Cycle:
@@ -338,8 +338,9 @@ def test_leaving_ray_while_another_thread_collects_garbage_keeps_the_commands_ex
 EXAMPLE_ROWS_OF_A_LAZY_DATASET = """
 import json, sys, threading
 import ray
-from raytrain_ddp import data, session
-from raytrain_ddp.ray_address import RayAddress
+from raytrain_ddp.data import datasets as data
+from raytrain_ddp.cluster import session
+from raytrain_ddp.cluster.ray_address import RayAddress
 
 session.connect(RayAddress(join=sys.argv[1]), False, lambda: None)
 lazy = ray.data.range(64).map_batches(lambda batch: {"x": batch["id"] * 2})

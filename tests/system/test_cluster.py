@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from services import REPO, LoopbackCluster, MLflowServer, cli, loopback_cluster
 
-from raytrain_ddp import checkpoint
-from raytrain_ddp.tracking import CHECKPOINT_TAG
+from raytrain_ddp.checkpoint import format as checkpoint
+from raytrain_ddp.registry.tracking import CHECKPOINT_TAG
 
 
 @pytest.fixture(scope="module")

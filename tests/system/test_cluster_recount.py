@@ -26,7 +26,7 @@ from ray.train.v2._internal.execution.controller.state import (
     RunningState,
 )
 
-from raytrain_ddp.callbacks import ClusterRecount
+from raytrain_ddp.controller.callbacks import ClusterRecount
 
 _probes = itertools.count()
 

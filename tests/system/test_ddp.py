@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp.layering import load_config
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.config.layering import load_config
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
@@ -37,7 +37,7 @@ def _final_weights(workspace, *overrides: str) -> dict[str, torch.Tensor]:
 
 
 def _initial_weights(seed: int = 0, **model) -> dict[str, torch.Tensor]:
-    from raytrain_ddp import recipe as recipes
+    from raytrain_ddp.config import recipe as recipes
 
     torch.manual_seed(seed)
     return recipes.load(TINY).build_model(**model).state_dict()
@@ -110,10 +110,11 @@ def _probe(loop_config: dict) -> None:
     import torch
     from torch import nn
 
-    from raytrain_ddp import data, loop
-    from raytrain_ddp.config import DataSettings, DDPSettings, TrainSettings
-    from raytrain_ddp.metrics import all_gather
-    from raytrain_ddp.optim import Accumulation, Updater
+    from raytrain_ddp.config.schema import DataSettings, DDPSettings, TrainSettings
+    from raytrain_ddp.data import datasets as data
+    from raytrain_ddp.worker import loop
+    from raytrain_ddp.worker.metrics import all_gather
+    from raytrain_ddp.worker.optim import Accumulation, Updater
 
     seen: dict = {}
     # DDP keyword arguments, as wrap_model passes them.
@@ -216,9 +217,9 @@ def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False) -> dict:
     optimizer_step; returns the weights after it."""
     import importlib.util
 
-    from raytrain_ddp import loop
-    from raytrain_ddp.config import DDPSettings, TrainSettings
-    from raytrain_ddp.optim import Accumulation, Updater
+    from raytrain_ddp.config.schema import DDPSettings, TrainSettings
+    from raytrain_ddp.worker import loop
+    from raytrain_ddp.worker.optim import Accumulation, Updater
 
     spec = importlib.util.spec_from_file_location("chat_sft_probe", Path(__file__).parents[2] / "jobs" / "chat_sft.py")
     sft = importlib.util.module_from_spec(spec)
@@ -264,7 +265,7 @@ def probe(ray_session, tmp_path_factory, tiny_chat) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytrain_ddp import data
+    from raytrain_ddp.data import datasets as data
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
 
@@ -341,7 +342,7 @@ def test_a_materialized_datasets_blocks_are_listed_without_executing_it(ray_sess
     import pyarrow as pa
     import ray.data
 
-    from raytrain_ddp.stream import Blocks
+    from raytrain_ddp.data.stream import Blocks
 
     column = lambda first, n: pa.table({"i": np.arange(first, first + n)})  # noqa: E731
     for dataset in (

@@ -17,7 +17,7 @@ from services import BIN, free_port, serve, stop_group, user_env
 from sklearn.datasets import load_wine
 
 from raytrain_ddp import load_config
-from raytrain_ddp import recipe as recipes
+from raytrain_ddp.config import recipe as recipes
 
 
 def test_the_readme_job_serves_raw_rows_over_http_with_the_reported_accuracy(ray_session, workspace, readme_job):

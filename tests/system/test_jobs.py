@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from raytrain_ddp import ConfigError, load_config
-from raytrain_ddp import recipe as recipes
+from raytrain_ddp.config import recipe as recipes
 
 
 def test_a_dataset_path_without_the_data_is_refused_before_anything_is_written(ray_session, workspace, tmp_path):

@@ -30,7 +30,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from services import BIN, LoopbackCluster, cli, loopback_cluster, tiny_passes
 
-from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.checkpoint import format as ckpt
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 # One worker on each 2-CPU node (1.5 CPU each, half a CPU left to Ray Data), 128 steps an epoch.

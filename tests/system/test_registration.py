@@ -23,7 +23,7 @@ import pytest
 from rich.console import Console
 
 from raytrain_ddp import load_config
-from raytrain_ddp.tracking import CHECKPOINT_TAG, SCORE_ATTRIBUTE_TAG, SCORE_ORDER_TAG, SCORE_TAG
+from raytrain_ddp.registry.tracking import CHECKPOINT_TAG, SCORE_ATTRIBUTE_TAG, SCORE_ORDER_TAG, SCORE_TAG
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 FLOPS_PER_ROW = 2 * (4 * 16 + 16) * 2 + 2 * 16  # tiny.py's count_flops
@@ -101,7 +101,7 @@ def test_if_better_does_not_register_a_worse_run_and_says_why_and_how_to_registe
 def test_equal_scores_the_star_the_best_checkpoint_and_what_ray_keeps_agree(tiny, module_workspace):
     """lr 1e-30 leaves every weight as it was: 3 epochs of one val_mse. Ray Train keeps (num_to_keep=2)
     and ranks best the later of equals; the ★ moves to each tie, and registration takes the last."""
-    from raytrain_ddp.registration import register
+    from raytrain_ddp.registry.registration import register
 
     stuck, out, _ = tiny["stuck"]
     run_dir = Path(stuck.run_path)
@@ -133,7 +133,7 @@ def test_if_better_registers_a_resumed_run_whose_best_improved(tiny):
 def test_never_registers_nothing_and_a_resume_whose_best_is_registered_adds_no_version(ray_session, workspace):
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp.registration import register
+    from raytrain_ddp.registry.registration import register
 
     pinned = ("checkpoint.score_attribute=epoch", "checkpoint.score_order=min", "mlflow.model_name=tiny-pinned")
     never, out = _run(workspace, *pinned, "train.epochs=1", "mlflow.register=never", "run.name=pinned")
@@ -171,7 +171,7 @@ def test_early_stopping_ends_the_run_finished_registers_its_best_and_its_counter
     it trains one epoch more, counting on from the checkpoint's 2 (from 0 it would train 3 more)."""
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp.tracking import STOPPED_EARLY_TAG
+    from raytrain_ddp.registry.tracking import STOPPED_EARLY_TAG
 
     early = (
         "checkpoint.score_attribute=epoch",

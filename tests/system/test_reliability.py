@@ -21,8 +21,8 @@ import torch
 from services import tiny_passes
 
 from raytrain_ddp import ConfigError, load_config
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import recipe as recipes
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.config import recipe as recipes
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
@@ -343,7 +343,8 @@ def test_a_run_whose_workers_never_fit_gives_up_and_frees_its_placement_group_bu
     import ray
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-    from raytrain_ddp import RunFailed, capacity, run
+    from raytrain_ddp import RunFailed, run
+    from raytrain_ddp.cluster import capacity
 
     own = placement_group([{"CPU": 1}])
     ray.get(own.ready(), timeout=30)

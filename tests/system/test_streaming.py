@@ -1,4 +1,4 @@
-"""Streamed datasets (raytrain_ddp/stream.py) end to end, on a local Ray: the two streaming jobs learn
+"""Streamed datasets (raytrain_ddp/data/stream.py) end to end, on a local Ray: the two streaming jobs learn
 from files the tests write (scikit-learn's digits as PNG files in class folders, and as Parquet
 shards), an unreadable file stops a run naming it or is skipped and counted, and a run killed mid-epoch
 resumes exactly without reading again what it had trained.
@@ -22,8 +22,8 @@ from services import user_env
 from test_reliability import RELIABLE, _faults, _weights
 
 from raytrain_ddp import ConfigError, RunFailed, load_config
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import recipe as recipes
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.config import recipe as recipes
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 # Tiny's table as 5 Parquet shards a split; each rank's share shuffled in windows of 2 batches.
@@ -165,7 +165,7 @@ import ray
 from ray._private.internal_api import memory_summary
 
 from raytrain_ddp import load_config, run
-from raytrain_ddp.session import OWN_RAY
+from raytrain_ddp.cluster.session import OWN_RAY
 
 ray.init(object_store_memory={store} * 2**20, log_to_driver=False, **OWN_RAY)
 

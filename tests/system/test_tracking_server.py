@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 from services import BIN, MLflowServer, cli, user_env, wait_until
 
 import raytrain_ddp
-from raytrain_ddp import checkpoint, tracking
+from raytrain_ddp.checkpoint import format as checkpoint
+from raytrain_ddp.registry import tracking
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 

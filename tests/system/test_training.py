@@ -18,9 +18,9 @@ from rich.console import Console
 from sklearn.datasets import load_digits
 
 from raytrain_ddp import ConfigError, load_config, with_overrides
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import recipe as recipes
-from raytrain_ddp.metrics import reported_metrics
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.config import recipe as recipes
+from raytrain_ddp.worker.metrics import reported_metrics
 
 # Checkpoints ranked by val_loss: accuracy (k/360) ties.
 SETTINGS = (
@@ -52,7 +52,8 @@ PREPARING = _Preparing()  # the straight run's
 def straight(ray_session, module_workspace):
     import mlflow
 
-    from raytrain_ddp import prestart, run
+    from raytrain_ddp import run
+    from raytrain_ddp.cluster import prestart
 
     config = load_config(
         "digits",
@@ -66,7 +67,7 @@ def straight(ray_session, module_workspace):
     notebook_uri = f"sqlite:///{module_workspace.root / 'notebook.db'}"  # as if a notebook had its own
     mlflow.set_tracking_uri(notebook_uri)
     out = io.StringIO()  # no terminal: as a log, or `ray job logs`
-    tracking_log = logging.getLogger("raytrain_ddp.tracking")
+    tracking_log = logging.getLogger("raytrain_ddp.registry.tracking")
     level = tracking_log.level
     tracking_log.addHandler(PREPARING)
     tracking_log.setLevel(logging.DEBUG)
@@ -159,8 +160,8 @@ def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session)
     import ray
     from ray.util.queue import Queue
 
-    from raytrain_ddp.backend import ProcessGroupConfig
-    from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay
+    from raytrain_ddp.controller.callbacks import ControllerMarks, ProgressRelay
+    from raytrain_ddp.worker.backend import ProcessGroupConfig
 
     @ray.remote(num_cpus=0)
     class Process:
@@ -177,7 +178,7 @@ def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session)
     try:
         controllers = [ProgressRelay(queue, None), ControllerMarks(queue), ProcessGroupConfig()]
         assert ray.get(process.loaded.remote(controllers)) == set()
-        assert ray.get(process.loaded.remote([], also="raytrain_ddp.loop")) == {"torch"}  # what the workers run
+        assert ray.get(process.loaded.remote([], also="raytrain_ddp.worker.loop")) == {"torch"}  # what the workers run
     finally:
         ray.kill(process)
         ray.kill(queue.actor)
@@ -223,7 +224,7 @@ def test_a_process_asks_once_for_the_workers_a_run_refused_after_asking_left(str
     """The raylet starts as many processes as it is asked for, whatever it has idle: a run refused after
     its driver asked (a notebook's, the tests') leaves them for the next run of the process to take,
     rather than two more processes each time."""
-    from raytrain_ddp import prestart
+    from raytrain_ddp.cluster import prestart
 
     _, config, _ = straight
     assert prestart.start(config) == 2

@@ -16,10 +16,12 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch.utils.data import TensorDataset
 
-from raytrain_ddp import data, load_config, tracking
-from raytrain_ddp.champion import Promotion, champion, verdict
-from raytrain_ddp.registration import lineage, service_version
-from raytrain_ddp.tracking import RegisteredModel, Score
+from raytrain_ddp import load_config
+from raytrain_ddp.data import datasets as data
+from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry.champion import Promotion, champion, verdict
+from raytrain_ddp.registry.registration import lineage, service_version
+from raytrain_ddp.registry.tracking import RegisteredModel, Score
 
 TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"
 
@@ -151,4 +153,4 @@ def test_a_service_never_installed_still_tags_its_versions(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", no_such_package)
-    assert service_version() == f"not installed: imported from {Path(tracking.__file__).parent}"
+    assert service_version() == f"not installed: imported from {Path(tracking.__file__).parents[1]}"

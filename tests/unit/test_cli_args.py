@@ -64,7 +64,7 @@ def test_jobs_lists_the_flagship(raytrain_ddp, tmp_path):
 def test_promote_refuses_an_unknown_model_or_version_and_moves_the_champion(raytrain_ddp, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp import tracking
+    from raytrain_ddp.registry import tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     nowhere = raytrain_ddp("promote", "m", "1", cwd=tmp_path)  # the default store, ./mlflow.db: none here

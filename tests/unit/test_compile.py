@@ -24,11 +24,11 @@ import torch._dynamo
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import TrainSettings
-from raytrain_ddp.loop import CompiledShapes, compile_for_training, evaluate, forward_backward, optimizer_step
-from raytrain_ddp.optim import Accumulation, Updater
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.config import recipe as recipes
+from raytrain_ddp.config.schema import TrainSettings
+from raytrain_ddp.worker.loop import CompiledShapes, compile_for_training, evaluate, forward_backward, optimizer_step
+from raytrain_ddp.worker.optim import Accumulation, Updater
 
 TINY = recipes.load(str(Path(__file__).parents[1] / "jobs" / "tiny.py"))
 TRAIN = TrainSettings(

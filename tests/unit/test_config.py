@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from raytrain_ddp.config import Config, ConfigError
-from raytrain_ddp.layering import load_config, with_overrides
+from raytrain_ddp.config.layering import load_config, with_overrides
+from raytrain_ddp.config.schema import Config, ConfigError
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
@@ -44,7 +44,7 @@ def test_override_values_are_typed_yaml():
 
 
 def test_a_job_can_be_named_by_the_path_of_its_yaml(tmp_path):
-    from raytrain_ddp.recipe import find_job
+    from raytrain_ddp.config.recipe import find_job
 
     files = find_job("digits")
     assert load_config(str(files.yaml)).train.epochs == load_config("digits").train.epochs
@@ -108,8 +108,8 @@ def test_a_mapping_override_merges_into_the_yaml_mapping():
 def test_a_merge_leaves_the_job_yaml_as_it_was_for_the_resume_command():
     """A mapping override merges into a copy: the job's own layer (what `job_config` reads back, and
     the resume command is reckoned against) still says what its YAML says."""
-    from raytrain_ddp.layering import job_config
-    from raytrain_ddp.plan import resume_command
+    from raytrain_ddp.config.layering import job_config
+    from raytrain_ddp.driver.plan import resume_command
 
     overrides = ["run.name=r", "scaling.use_gpu=true", "scaling.resources_per_worker={CPU: 2, GPU: 1}"]
     config = load_config("digits", overrides=overrides)

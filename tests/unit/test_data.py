@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_ddp.data import split_batches
+from raytrain_ddp.data.datasets import split_batches
 
 
 def test_ray_data_fetches_are_cut_into_the_configured_batches_in_order():

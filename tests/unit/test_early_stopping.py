@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ddp.config import Config, ConfigError
-from raytrain_ddp.early_stopping import EarlyStopping, ended_early
-from raytrain_ddp.layering import load_config
+from raytrain_ddp.config.layering import load_config
+from raytrain_ddp.config.schema import Config, ConfigError
+from raytrain_ddp.worker.early_stopping import EarlyStopping, ended_early
 
 
 def _config(**early) -> Config:

@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU (raytrain_ddp/flops.py), without Ray: a training step's FLOPs counted by torch's
+"""Model FLOPs and MFU (raytrain_ddp/worker/flops.py), without Ray: a training step's FLOPs counted by torch's
 FLOP counter against the closed forms, the peak table looked up by the names torch gives GPUs, and
 the utilization arithmetic every report carries."""
 
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain_ddp.flops import ModelFlops, count, peak_flops, utilization
-from raytrain_ddp.metrics import EpochMeter, combine
+from raytrain_ddp.worker.flops import ModelFlops, count, peak_flops, utilization
+from raytrain_ddp.worker.metrics import EpochMeter, combine
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

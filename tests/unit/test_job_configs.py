@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from raytrain_ddp import load_config
-from raytrain_ddp import recipe as recipes
 from raytrain_ddp.cli import main
+from raytrain_ddp.config import recipe as recipes
 
 JOBS = (
     "breast_cancer",

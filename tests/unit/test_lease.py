@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from raytrain_ddp import lease
+from raytrain_ddp.checkpoint import lease
 
 
 def _write_holder(run_dir, *, pid: int, renewed_ago_s: float = 0.0, host: str | None = None) -> None:

@@ -17,7 +17,8 @@ import mlflow.store.db.utils
 import pytest
 from mlflow.tracking import MlflowClient
 
-from raytrain_ddp import load_config, tracking
+from raytrain_ddp import load_config
+from raytrain_ddp.registry import tracking
 
 TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"
 
@@ -78,7 +79,7 @@ def test_a_process_that_ends_before_its_run_starts_leaves_no_database(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = f"""
 import json, os
-from raytrain_ddp import tracking
+from raytrain_ddp.registry import tracking
 with tracking.opening_store({uri!r}):
     pass
 print(json.dumps(os.listdir({str(tmp_path)!r})))
@@ -203,8 +204,9 @@ def test_mlflow_comes_in_on_the_stores_thread_not_with_the_drivers_modules(tmp_p
         script = f"""
 import json, sys
 import logging
-import raytrain_ddp.cli, raytrain_ddp.driver
-from raytrain_ddp import session, tracking
+import raytrain_ddp.cli, raytrain_ddp.driver.run
+from raytrain_ddp.cluster import session
+from raytrain_ddp.registry import tracking
 before = "mlflow" in sys.modules
 session.quiet_logs(verbose=False)  # as plan.make does, before the store's thread starts
 with tracking.opening_store("sqlite:///{tmp_path / name}"):

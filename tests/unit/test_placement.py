@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raytrain_ddp import capacity, load_config, prestart
+from raytrain_ddp import load_config
+from raytrain_ddp.cluster import capacity, prestart
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 

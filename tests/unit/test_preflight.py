@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from raytrain_ddp import ConfigError, load_config, with_overrides
-from raytrain_ddp import recipe as recipes
-from raytrain_ddp.preflight import (
+from raytrain_ddp.config import recipe as recipes
+from raytrain_ddp.preflight.checks import (
     RecipeCheck,
     RecipeFailed,
     check_batches,

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 
-from raytrain_ddp import tracking
+from raytrain_ddp.registry import tracking
 
 
 def test_a_thread_that_yields_the_cpu_runs_under_sched_idle_and_the_callers_thread_does_not():
@@ -33,7 +33,7 @@ def test_a_thread_that_yields_the_cpu_runs_under_sched_idle_and_the_callers_thre
 LOG_AFTER_REHEARSAL = """
 import json, sys
 import numpy as np, torch
-from raytrain_ddp import tracking
+from raytrain_ddp.registry import tracking
 from mlflow.tracking import MlflowClient
 tracking.rehearse_model_logging()
 uri = "sqlite:///mlflow.db"

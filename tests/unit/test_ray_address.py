@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.ray_address import check
+from raytrain_ddp.cluster.ray_address import check
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from sklearn.datasets import load_wine
 
-from raytrain_ddp import load_config, recipe
+from raytrain_ddp import load_config
+from raytrain_ddp.config import recipe
 
 
 def test_the_readme_job_loads_trains_and_evaluates(readme_job):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp import ConfigError, load_config, signatures
-from raytrain_ddp import recipe as recipes
+from raytrain_ddp import ConfigError, load_config
+from raytrain_ddp.config import recipe as recipes
+from raytrain_ddp.config import signatures
 
 ROOT = Path(__file__).parents[2]
 RECIPES = sorted(ROOT.glob("jobs/*.py")) + [
@@ -60,7 +61,7 @@ def test_loading_a_config_and_starting_ray_import_no_torch_pyarrow_or_ray_data()
     start (`session.start`, imported by the command once its config is read) before the driver's
     heavy imports."""
     code = (
-        "import sys; import raytrain_ddp.cli, raytrain_ddp.session; from raytrain_ddp import load_config; "
+        "import sys; import raytrain_ddp.cli, raytrain_ddp.cluster.session; from raytrain_ddp import load_config; "
         "load_config('digits'); print(sorted({'torch', 'pyarrow', 'ray.data'} & sys.modules.keys()))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -115,7 +116,7 @@ def test_a_recipe_read_from_its_source_is_imported_when_a_run_needs_it(tmp_path)
     )
     config = load_config(path)  # the signatures are all a config needs
 
-    from raytrain_ddp.layering import origin_of
+    from raytrain_ddp.config.layering import origin_of
 
     with pytest.raises(ConfigError, match=r"must define model_input \(or log_model\)"):
         _ = origin_of(config).recipe

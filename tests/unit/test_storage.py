@@ -10,7 +10,7 @@ import fsspec.implementations.local
 import pyarrow.fs
 import pytest
 
-from raytrain_ddp import storage
+from raytrain_ddp.checkpoint import storage
 
 FILES = ("model.pt", "metrics.json", "manifest.json")
 

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from raytrain_ddp import stream
-from raytrain_ddp.config import DataSettings
+from raytrain_ddp.config.schema import DataSettings
+from raytrain_ddp.data import stream
 
 pytestmark = pytest.mark.unit
 

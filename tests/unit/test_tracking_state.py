@@ -11,7 +11,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from raytrain_ddp import tracking
+from raytrain_ddp.registry import tracking
 
 
 @pytest.mark.parametrize("caller", [None, "sqlite:///caller.db"], ids=["unset", "the-callers-own"])

@@ -48,7 +48,7 @@ class ProgressRelay(ray.train.UserCallback):
         errors = {rank: one_line(e) for rank, e in sorted(worker_exceptions.items())}
         run = run_context.run_config
         try:  # a checkpoint reported just before the failure, not recorded yet, is where the restart resumes
-            from raytrain_ddp import checkpoint as ckpt  # here: it imports torch, which the controller needs not
+            from raytrain_ddp.checkpoint import format as ckpt  # here: it imports torch, which the controller needs not
 
             resumes = ckpt.newest_unrecorded(f"{run.storage_path}/{run.name}", self.latest) or self.latest
         except Exception:  # noqa: BLE001 - never end the run for the display's sake

@@ -27,7 +27,7 @@ and, optionally:
                                                            # is not needed
     count_flops(model, batch) -> number                    # FLOPs of one training step (forward + backward) on
                                                            # the batch, for a model torch's FLOP counter cannot
-                                                           # count (raytrain_ddp/flops.py): reports MFU
+                                                           # count (raytrain_ddp/worker/flops.py): reports MFU
 
 `compute_loss` may also return `(sum, count)`: a loss summed over `count` items (tokens, say) of the
 batch. The service then divides each optimizer step's gradient by the count of the whole global batch
@@ -64,12 +64,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from raytrain_ddp import signatures
+from raytrain_ddp.config import signatures
 
 if TYPE_CHECKING:
     import torch
 
-    from raytrain_ddp.config import Config
+    from raytrain_ddp.config.schema import Config
 
 REQUIRED = ("build_model", "build_datasets", "compute_loss", "evaluate")
 OPTIONAL = (
@@ -169,7 +169,7 @@ def open_job(job: str) -> Job:
 
 def job_search_path() -> list[Path]:
     """Where job names are looked up: ./jobs, then the jobs/ beside this package (a source checkout)."""
-    here = Path(__file__).resolve().parent.parent / JOBS_DIR
+    here = Path(__file__).resolve().parents[2] / JOBS_DIR
     return list(dict.fromkeys([Path.cwd() / JOBS_DIR, here]))
 
 
@@ -205,13 +205,13 @@ def load(job: str | JobFiles) -> Recipe:
     if not callable(getattr(module, "log_model", None)) and not callable(getattr(module, "model_input", None)):
         missing.append("model_input (or log_model)")
     if missing:
-        raise RecipeError(f"recipe {files.recipe} must define {', '.join(missing)} (see raytrain_ddp/recipe.py)")
+        raise RecipeError(f"recipe {files.recipe} must define {', '.join(missing)} (see raytrain_ddp/config/recipe.py)")
     not_callable = [
         name for name in OPTIONAL if getattr(module, name, None) is not None and not callable(getattr(module, name))
     ]
     if not_callable:
         raise RecipeError(
-            f"recipe {files.recipe}: {', '.join(not_callable)} must be a function (see raytrain_ddp/recipe.py)"
+            f"recipe {files.recipe}: {', '.join(not_callable)} must be a function (see raytrain_ddp/config/recipe.py)"
         )
     return Recipe(
         files.name, *(getattr(module, name) for name in REQUIRED), *(getattr(module, name, None) for name in OPTIONAL)

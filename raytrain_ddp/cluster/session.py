@@ -23,7 +23,7 @@ import psutil
 import ray
 from ray._private import ray_constants
 
-from raytrain_ddp.ray_address import ADDRESS_ENV, RayAddress, check_environment
+from raytrain_ddp.cluster.ray_address import ADDRESS_ENV, RayAddress, check_environment
 
 # Ray Train reads its controller's poll interval from the driver's environment when fit() starts.
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"

@@ -48,7 +48,7 @@ import ray.train
 import torch
 from pyarrow.fs import FileSelector, FileType
 
-from raytrain_ddp import storage
+from raytrain_ddp.checkpoint import storage
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"

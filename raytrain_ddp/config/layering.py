@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from raytrain_ddp import recipe as recipes
-from raytrain_ddp.config import Config, ConfigError, flatten
+from raytrain_ddp.config import recipe as recipes
+from raytrain_ddp.config.schema import Config, ConfigError, flatten
 
 
 class Layer(NamedTuple):

@@ -35,8 +35,8 @@ import time
 import ray
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as HOOK_ENV
 
-from raytrain_ddp import capacity, session
-from raytrain_ddp.config import Config
+from raytrain_ddp.cluster import capacity, session
+from raytrain_ddp.config.schema import Config
 
 KEEP_ALIVE_S = 300  # how long the raylet keeps them for this job, unused, before its idle-worker rules apply
 # In the controller's runtime environment unless the driver's sets it (setdefault), so in the workers'.
@@ -55,7 +55,7 @@ def preload() -> None:
         import ray.train.v2._internal.execution.worker_group.worker  # noqa: F401 - the worker actor's class
         import torch.distributed  # noqa: F401
 
-        import raytrain_ddp.loop  # noqa: F401
+        import raytrain_ddp.worker.loop  # noqa: F401
     except BaseException:  # noqa: BLE001, S110 - an optimization only
         pass
 

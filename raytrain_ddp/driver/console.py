@@ -24,17 +24,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 from rich.markup import escape
 
-from raytrain_ddp import capacity, stream
-from raytrain_ddp.callbacks import ControllerMarks, ProgressRelay, one_line
-from raytrain_ddp.checkpoint import position, rank
-from raytrain_ddp.flops import si
-from raytrain_ddp.metrics import GENERATED, STOPPED, STOPPED_EARLY, STORAGE_RETRIED
-from raytrain_ddp.progress import PROGRESS, Progress
-from raytrain_ddp.session import ELASTIC_PLACEMENT_WAIT_S
-from raytrain_ddp.timeline import MARKS, Timeline
+from raytrain_ddp.checkpoint.format import position, rank
+from raytrain_ddp.cluster import capacity
+from raytrain_ddp.cluster.session import ELASTIC_PLACEMENT_WAIT_S
+from raytrain_ddp.controller.callbacks import ControllerMarks, ProgressRelay, one_line
+from raytrain_ddp.data import stream
+from raytrain_ddp.driver.timeline import MARKS, Timeline
+from raytrain_ddp.worker.flops import si
+from raytrain_ddp.worker.metrics import GENERATED, STOPPED, STOPPED_EARLY, STORAGE_RETRIED
+from raytrain_ddp.worker.progress import PROGRESS, Progress
 
 if TYPE_CHECKING:
-    from raytrain_ddp.plan import Plan
+    from raytrain_ddp.driver.plan import Plan
 
 logger = logging.getLogger(__name__)
 END = "end"  # put by the driver once fit() has returned

@@ -25,25 +25,21 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import (
-    data,
-    layering,
-    preflight,
-    prestart,
-    ray_address,
-    session,
-    storage,
-    stream,
-    timeline,
-    tracking,
-)
-from raytrain_ddp.config import Config, ConfigError
-from raytrain_ddp.early_stopping import ended_early
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.checkpoint import storage
+from raytrain_ddp.cluster import prestart, ray_address, session
+from raytrain_ddp.config import layering
+from raytrain_ddp.config.recipe import Recipe
+from raytrain_ddp.config.schema import Config, ConfigError
+from raytrain_ddp.data import datasets as data
+from raytrain_ddp.data import stream
+from raytrain_ddp.driver import timeline
 from raytrain_ddp.errors import RunFailed
-from raytrain_ddp.flops import ModelFlops
-from raytrain_ddp.optim import Accumulation
-from raytrain_ddp.recipe import Recipe
+from raytrain_ddp.preflight import checks as preflight
+from raytrain_ddp.registry import tracking
+from raytrain_ddp.worker.early_stopping import ended_early
+from raytrain_ddp.worker.flops import ModelFlops
+from raytrain_ddp.worker.optim import Accumulation
 
 
 @dataclass(frozen=True)

@@ -129,8 +129,8 @@ class ModelFlops:
         peak = peak_flops(name, precision, tf32=torch.get_float32_matmul_precision() != "highest")
         if peak is None and rank == 0:
             logger.warning(
-                "no MFU: the peak FLOP/s of %s is not in raytrain_ddp.flops.PEAKS; model_flops_per_s, the FLOP/s "
-                "achieved, is reported: compare it with the GPU's datasheet",
+                "no MFU: the peak FLOP/s of %s is not in raytrain_ddp.worker.flops.PEAKS; model_flops_per_s, "
+                "the FLOP/s achieved, is reported: compare it with the GPU's datasheet",
                 name,
             )
         return replace(self, peak=peak)

@@ -30,14 +30,18 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data, layering, lease, session, tracking
-from raytrain_ddp import plan as planning
-from raytrain_ddp.callbacks import one_line
-from raytrain_ddp.config import Config
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.checkpoint import lease
+from raytrain_ddp.cluster import session
+from raytrain_ddp.config import layering
+from raytrain_ddp.config.recipe import Recipe
+from raytrain_ddp.config.schema import Config
+from raytrain_ddp.controller.callbacks import one_line
+from raytrain_ddp.data import datasets as data
+from raytrain_ddp.driver import plan as planning
+from raytrain_ddp.driver.plan import Plan
 from raytrain_ddp.errors import RegistrationFailed
-from raytrain_ddp.plan import Plan
-from raytrain_ddp.recipe import Recipe
+from raytrain_ddp.registry import tracking
 
 Policy = Literal["always", "if_better", "never"]
 NEVER = "not registered (mlflow.register=never)"
@@ -246,7 +250,7 @@ def service_version() -> str:
     try:
         return importlib.metadata.version("raytrain-ddp")
     except importlib.metadata.PackageNotFoundError:
-        return f"not installed: imported from {Path(__file__).parent}"
+        return f"not installed: imported from {Path(__file__).parents[1]}"
 
 
 def _code(recipe: Path) -> dict[str, str]:

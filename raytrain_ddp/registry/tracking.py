@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from raytrain_ddp import champion
-from raytrain_ddp.config import Config
-from raytrain_ddp.metrics import GENERATED, STOPPED_EARLY
+from raytrain_ddp.config.schema import Config
+from raytrain_ddp.registry import champion
+from raytrain_ddp.worker.metrics import GENERATED, STOPPED_EARLY
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric

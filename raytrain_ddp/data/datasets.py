@@ -1,6 +1,6 @@
 """The data a worker trains on: a recipe's datasets, how they are split across ranks, and how a rank
 turns its share into torch batches. A recipe returns Ray Datasets, torch Datasets, or streams of files
-(`raytrain_ddp.stream`: read while training goes, never materialized; that module says how).
+(`raytrain_ddp.data.stream`: read while training goes, never materialized; that module says how).
 
 Ray Datasets (the usual way; read and preprocessed by Ray Data):
 - materialized (as the shipped jobs leave them): their blocks are already in the object store, so
@@ -44,8 +44,8 @@ import torch
 from ray.train import DataConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
-from raytrain_ddp import stream
-from raytrain_ddp.config import DataSettings, TrainSettings
+from raytrain_ddp.data import stream
+from raytrain_ddp.config.schema import DataSettings, TrainSettings
 
 DATASETS = ("train", "val")
 FITTED = "fitted"  # build_datasets' optional third entry: statistics of the training rows, for build_model
@@ -75,7 +75,7 @@ def check_datasets(datasets: Any, job: str) -> tuple[dict[str, ray.data.Dataset 
         got = ", ".join(f"{name}: {type(ds).__name__}" for name, ds in datasets.items())
         raise TypeError(
             f"job '{job}': build_datasets must return two ray.data.Dataset, two map-style torch "
-            f"Datasets (with __len__ and __getitem__) or two raytrain_ddp.stream datasets, got {got}"
+            f"Datasets (with __len__ and __getitem__) or two raytrain_ddp.data.stream datasets, got {got}"
         )
     return datasets, fitted
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from raytrain_ddp.config import Config, TrainSettings
+from raytrain_ddp.config.schema import Config, TrainSettings
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has fused AdamW and SGD kernels (and this service runs)

@@ -25,15 +25,19 @@ import ray.data
 import torch
 from ray.data.dataset import MaterializedDataset
 
-from raytrain_ddp import capacity, flops, lease, ray_address, session, storage, stream, tracking
-from raytrain_ddp.config import Config, ConfigError, flatten, worker_counts
-from raytrain_ddp.flops import ModelFlops
-from raytrain_ddp.metrics import reported_metrics
-from raytrain_ddp.optim import batches_per_epoch, optimizer_steps
-from raytrain_ddp.recipe import Recipe
+from raytrain_ddp.checkpoint import lease, storage
+from raytrain_ddp.cluster import capacity, ray_address, session
+from raytrain_ddp.config.recipe import Recipe
+from raytrain_ddp.config.schema import Config, ConfigError, flatten, worker_counts
+from raytrain_ddp.data import stream
+from raytrain_ddp.registry import tracking
+from raytrain_ddp.worker import flops
+from raytrain_ddp.worker.flops import ModelFlops
+from raytrain_ddp.worker.metrics import reported_metrics
+from raytrain_ddp.worker.optim import batches_per_epoch, optimizer_steps
 
 if TYPE_CHECKING:
-    from raytrain_ddp.plan import Plan
+    from raytrain_ddp.driver.plan import Plan
 
 # Keys a resumed run may change: they do not change what is computed, only how long, where, and what
 # is kept or logged. Anything else would be silently overridden by the restored optimizer state or

@@ -25,18 +25,23 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from rich.console import Console
 
-from raytrain_ddp import capacity, data, lease, preflight, prestart, session, storage, timeline, tracking
-from raytrain_ddp import console as ui
-from raytrain_ddp import plan as planning
-from raytrain_ddp.backend import ProcessGroupConfig
-from raytrain_ddp.callbacks import ClusterRecount
-from raytrain_ddp.config import Config
-from raytrain_ddp.early_stopping import ended_early
+from raytrain_ddp.checkpoint import lease, storage
+from raytrain_ddp.cluster import capacity, prestart, session
+from raytrain_ddp.config.schema import Config
+from raytrain_ddp.controller.callbacks import ClusterRecount
+from raytrain_ddp.data import datasets as data
+from raytrain_ddp.driver import console as ui
+from raytrain_ddp.driver import plan as planning
+from raytrain_ddp.driver import timeline
+from raytrain_ddp.driver.plan import Plan
+from raytrain_ddp.driver.summary import RunSummary, show
 from raytrain_ddp.errors import RunFailed, RunInterrupted
-from raytrain_ddp.loop import train_loop_per_worker
-from raytrain_ddp.plan import Plan
-from raytrain_ddp.registration import Registration, decided_already, register_best
-from raytrain_ddp.summary import RunSummary, show
+from raytrain_ddp.preflight import checks as preflight
+from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry.registration import Registration, decided_already, register_best
+from raytrain_ddp.worker.backend import ProcessGroupConfig
+from raytrain_ddp.worker.early_stopping import ended_early
+from raytrain_ddp.worker.loop import train_loop_per_worker
 
 
 def run(config: Config, *, verbose: bool = False, console: Console | None = None) -> RunSummary:

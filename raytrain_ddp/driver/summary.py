@@ -8,9 +8,9 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from raytrain_ddp import tracking
-from raytrain_ddp.console import is_quality_metric, throughput
-from raytrain_ddp.plan import ResumePoint
+from raytrain_ddp.driver.console import is_quality_metric, throughput
+from raytrain_ddp.driver.plan import ResumePoint
+from raytrain_ddp.registry import tracking
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class TrainSettings(_Section):
 
 
 class DataSettings(_Section):
-    """Streamed datasets (raytrain_ddp.stream): how each worker's reading pipeline may use the cluster,
+    """Streamed datasets (raytrain_ddp.data.stream): how each worker's reading pipeline may use the cluster,
     and what it does with a file it cannot read."""
 
     max_bad_files: int = Field(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # tracking imports this module; a version is its RegisteredModel
-    from raytrain_ddp.tracking import RegisteredModel, Score
+    from raytrain_ddp.registry.tracking import RegisteredModel, Score
 
 
 @dataclass(frozen=True)

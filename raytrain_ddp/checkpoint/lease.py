@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from raytrain_ddp import storage
+from raytrain_ddp.checkpoint import storage
 
 if TYPE_CHECKING:
     import pyarrow.fs

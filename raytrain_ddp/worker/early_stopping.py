@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_ddp.config import Config
-from raytrain_ddp.metrics import SINCE_BEST, STOPPED_EARLY
+from raytrain_ddp.config.schema import Config
+from raytrain_ddp.worker.metrics import SINCE_BEST, STOPPED_EARLY
 
 
 @dataclass

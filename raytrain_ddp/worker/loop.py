@@ -36,12 +36,17 @@ import torch.distributed as dist
 from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
 from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
-from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import data, prestart, storage
-from raytrain_ddp.config import Config, DDPSettings
-from raytrain_ddp.early_stopping import EarlyStopping
-from raytrain_ddp.flops import ModelFlops
-from raytrain_ddp.metrics import (
+from raytrain_ddp.checkpoint import format as ckpt
+from raytrain_ddp.checkpoint import storage
+from raytrain_ddp.cluster import prestart
+from raytrain_ddp.config.recipe import Recipe
+from raytrain_ddp.config.schema import Config, DDPSettings
+from raytrain_ddp.data import datasets as data
+from raytrain_ddp.driver.timeline import WorkerMarks
+from raytrain_ddp.driver.timeline import strip as strip_marks
+from raytrain_ddp.worker.early_stopping import EarlyStopping
+from raytrain_ddp.worker.flops import ModelFlops
+from raytrain_ddp.worker.metrics import (
     GENERATED,
     SINCE_BEST,
     STOPPED,
@@ -51,11 +56,8 @@ from raytrain_ddp.metrics import (
     all_gather,
     combine,
 )
-from raytrain_ddp.optim import Accumulation, Updater
-from raytrain_ddp.progress import Beacon
-from raytrain_ddp.recipe import Recipe
-from raytrain_ddp.timeline import WorkerMarks
-from raytrain_ddp.timeline import strip as strip_marks
+from raytrain_ddp.worker.optim import Accumulation, Updater
+from raytrain_ddp.worker.progress import Beacon
 
 logger = logging.getLogger(__name__)
 

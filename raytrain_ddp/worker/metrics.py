@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raytrain_ddp.flops import ModelFlops, utilization
+from raytrain_ddp.worker.flops import ModelFlops, utilization
 
 # What every report carries besides the recipe's `val_<name>` metrics (and tokens, if it counts them).
 TRAIN_METRICS = (

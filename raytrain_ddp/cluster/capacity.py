@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from raytrain_ddp.config import Config
+from raytrain_ddp.config.schema import Config
 
 logger = logging.getLogger(__name__)
 

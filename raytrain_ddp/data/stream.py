@@ -1,0 +1,658 @@
+"""Streamed datasets: files read while training goes (a local path, NFS or s3://), never materialized.
+
+A recipe's `build_datasets` returns them in place of Ray Datasets:
+
+    from raytrain_ddp import stream
+
+    def build_datasets(*, seed, path):
+        return {"train": stream.ImageFolder(f"{path}/train", size=(32, 32), transform=augment),
+                "val": stream.ImageFolder(f"{path}/val", size=(32, 32))}
+
+    def augment(row: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        ...  # a random crop or flip drawn from rng
+
+`ImageFolder` reads the images under `<root>/<class>/` (rows {"image": uint8 (H, W) or (H, W, C),
+"label": int64, the class's index in sorted order}); `Parquet` reads the Parquet files under a path,
+only `columns`. `transform(row, rng)` runs on every row as it is read, in Ray Data tasks on CPU (on
+the nodes `data.label_selector` allows), with a generator seeded by (seed, epoch, row id): a row gets
+the same augmentation in the same epoch of every run. A row's id is its place in the file list
+(files sorted by path, rows in file order).
+
+The driver lists the files once (`Manifest`: each file, its rows, its label; a Parquet file's rows
+and columns from its footer). Each epoch, each rank computes its own share, a function of (seed,
+epoch, world size, the file list) and nothing else:
+- the files' order is a permutation seeded by (seed, epoch) (`train.shuffle`), rows in file order;
+- rank r trains rows [r*n, (r+1)*n) of that sequence, n = rows // world size (up to world size - 1
+  rows are left out an epoch, as with Ray Data's equal split), reading only the files they fall in;
+- a Parquet share is shuffled within windows of `train.local_shuffle_buffer_size` rows (rounded up to
+  whole batches), each by a permutation seeded by (seed, epoch, rank, window); an image folder, one row
+  per file, is already shuffled by its file order;
+- batch k is rows [k*B, (k+1)*B) of the shuffled share.
+So a resumed epoch reads from the window of its first untrained batch (for images: that batch): the
+rows trained before are not read again, and the batches that follow are those of an uninterrupted
+run. Validation rows are split in contiguous ranges, in file order, each row counted once.
+
+Each rank runs its own Ray Data pipeline (`ray.data.from_items(pieces).map_batches(read)`): its reading
+tasks run wherever Ray finds a CPU (another node's, with `data.label_selector`), and Ray Data's
+backpressure keeps what the pipeline holds under `data.object_store_mb`.
+
+`Blocks` plans a materialized Ray Dataset the same way, its blocks in the object store taking the
+files' place: each rank reads its pieces itself (`ray.get`), with no Ray Data pipeline (data.py says
+when the driver ships a dataset so).
+
+A file that cannot be read (a truncated Parquet file, a missing column, an image that does not
+decode) stops the run, named, unless `data.max_bad_files` allows skipping it: Parquet footers are read
+when the files are listed, before any worker starts; images are decoded as they are read, and a
+skipped one leaves its batch a row short (every rank still trains the same number of batches). The
+skipped files are counted in every report (`data_bad_files`, logged to MLflow).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from raytrain_ddp.checkpoint import storage
+
+logger = logging.getLogger(__name__)
+
+Row = dict[str, np.ndarray]
+Transform = Callable[[Row, np.random.Generator], Row]
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+POSITION = "_position"  # a read row's place in its rank's share, dropped before training
+LISTING_THREADS = 16  # Parquet footers read at once when listing (each a request on S3)
+
+
+class BadFile(ValueError):
+    """A data file that cannot be read as its dataset says."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The files of a streamed dataset, listed once by the driver: rows per file, and the label of
+    each (image folders) as class indices into `classes`. `skipped` are the unreadable files left out
+    (`path: reason`)."""
+
+    root: str
+    files: tuple[str, ...]
+    rows: np.ndarray  # int64, per file
+    labels: np.ndarray | None = None  # int64 class index per file
+    classes: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return int(self.rows.sum())
+
+    @functools.cached_property
+    def first_row(self) -> np.ndarray:
+        """Each file's first row id."""
+        return np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A dataset read from files as training goes; `ImageFolder` and `Parquet` say how. `manifest`
+    is filled by the driver (`listed`)."""
+
+    path: str
+    transform: Transform | None = None
+    manifest: Manifest | None = field(default=None, repr=False)
+
+    one_row_per_file = False
+    read_in_tasks = True  # by Ray Data tasks (files); False: by the rank itself (`Blocks`)
+
+    def listed(self, max_bad_files: int) -> Stream:
+        """This stream with its files listed; raises BadFile naming the files it cannot use, beyond
+        `max_bad_files`."""
+        manifest = self._list()
+        if len(manifest.skipped) > max_bad_files:
+            shown = "; ".join(manifest.skipped[:5]) + (" ..." if len(manifest.skipped) > 5 else "")
+            raise BadFile(
+                f"{len(manifest.skipped)} unreadable file(s) under {self.path}: {shown}; repair or remove them, "
+                f"or set data.max_bad_files={len(manifest.skipped)} (or more) to train without them"
+            )
+        if manifest.total == 0:
+            raise BadFile(f"{self.path}: no rows to read (no {self._what} found there)")
+        return replace(self, manifest=manifest)
+
+    def read(self, path: str, start: int, stop: int, label: int) -> Row:
+        """Rows [start, stop) of one file, as numpy columns."""
+        raise NotImplementedError
+
+    def example(self, n: int, seed: int) -> Row:
+        """The first `n` rows, transformed as in epoch 0: read here, without Ray Data."""
+        m = self.manifest
+        rows: list[Row] = []
+        for i, path in enumerate(m.files):
+            if (have := sum(_length(r) for r in rows)) >= n:
+                break
+            want = min(n - have, int(m.rows[i]))
+            if want == 0:  # an empty block
+                continue
+            label = int(m.labels[i]) if m.labels is not None else -1
+            rows.append(self.transformed(self.read(path, 0, want, label), seed, 0, int(m.first_row[i])))
+        return _concatenate(rows)
+
+    def transformed(self, rows: Row, seed: int, epoch: int, first_row: int) -> Row:
+        """`rows` (consecutive, the first with id `first_row`) through `transform`, each with its own generator."""
+        if self.transform is None:
+            return rows
+        out = [
+            self.transform({name: column[i] for name, column in rows.items()}, row_rng(seed, epoch, first_row + i))
+            for i in range(_length(rows))
+        ]
+        return {name: np.stack([row[name] for row in out]) for name in out[0]} if out else rows
+
+    def _list(self) -> Manifest:
+        raise NotImplementedError
+
+    _what = "files"
+
+
+@dataclass(frozen=True)
+class ImageFolder(Stream):
+    """Images in class folders, `<path>/<class>/<file>` (any depth below the class). Each image is
+    decoded with Pillow, converted to `mode` ("RGB", "L" for grayscale) and, with `size` (height,
+    width), resized, so that images of different sizes stack into batches."""
+
+    size: tuple[int, int] | None = None
+    mode: Literal["RGB", "L"] = "RGB"
+    extensions: tuple[str, ...] = IMAGE_EXTENSIONS
+
+    one_row_per_file = True
+    _what = f"images ({', '.join(IMAGE_EXTENSIONS)}) in class folders"
+
+    def _list(self) -> Manifest:
+        fs, root = _filesystem(self.path)
+        files = _files_under(fs, root, self.extensions)
+        classes = sorted({_relative(root, f).split("/")[0] for f in files if "/" in _relative(root, f)})
+        files = [f for f in files if "/" in _relative(root, f)]  # images directly in root have no class
+        index = {name: i for i, name in enumerate(classes)}
+        labels = np.array([index[_relative(root, f).split("/")[0]] for f in files], dtype=np.int64)
+        uris = tuple(_uri(self.path, root, f) for f in files)
+        return Manifest(self.path, uris, np.ones(len(files), dtype=np.int64), labels, tuple(classes))
+
+    def read(self, path: str, start: int, stop: int, label: int) -> Row:
+        from PIL import Image
+
+        fs, fs_path = _filesystem(path)
+        with fs.open_input_stream(fs_path) as f:
+            data = f.read()
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                image = image.convert(self.mode)
+                if self.size is not None and image.size != (self.size[1], self.size[0]):
+                    image = image.resize((self.size[1], self.size[0]), Image.Resampling.BILINEAR)
+                pixels = np.asarray(image, dtype=np.uint8)
+        except Exception as e:  # Pillow's errors for a file that is not a whole image vary by format
+            raise BadFile(f"{path}: not a readable image ({_reason(e)})") from e
+        return {"image": pixels[None], "label": np.array([label], dtype=np.int64)}
+
+
+@dataclass(frozen=True)
+class Parquet(Stream):
+    """The Parquet files under `path` (`*.parquet`, any depth), reading only `columns` (all, if None).
+    A list column (token ids, say) must hold lists of one length, to stack into a batch."""
+
+    columns: tuple[str, ...] | None = None
+
+    _what = "*.parquet files"
+
+    def _list(self) -> Manifest:
+        fs, root = _filesystem(self.path)
+        files = _files_under(fs, root, (".parquet",))
+        with ThreadPoolExecutor(LISTING_THREADS) as pool:
+            found = list(pool.map(lambda f: self._rows(fs, f), files))
+        kept = [(f, rows) for f, (rows, _) in zip(files, found) if rows is not None]
+        skipped = tuple(f"{_uri(self.path, root, f)}: {problem}" for f, (_, problem) in zip(files, found) if problem)
+        return Manifest(
+            self.path,
+            tuple(_uri(self.path, root, f) for f, _ in kept),
+            np.array([rows for _, rows in kept], dtype=np.int64),
+            skipped=skipped,
+        )
+
+    def first_rows(self, n: int) -> Row:
+        """The first `n` rows, in file order and untransformed, read here: a sample for a recipe's
+        statistics (build_datasets' `fitted`)."""
+        fs, root = _filesystem(self.path)
+        rows: list[Row] = []
+        for path in _files_under(fs, root, (".parquet",)):
+            if (got := sum(_length(r) for r in rows)) >= n:
+                break
+            try:
+                rows.append(self.read(_uri(self.path, root, path), 0, n - got, -1))
+            except BadFile:  # listing the files names it, and data.max_bad_files decides
+                continue
+        return _concatenate(rows)
+
+    def _rows(self, fs, path: str) -> tuple[int | None, str | None]:
+        """A file's rows from its footer, or why it cannot be used."""
+        import pyarrow.parquet as pq
+
+        try:
+            with fs.open_input_file(path) as f:
+                metadata = pq.ParquetFile(f).metadata
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
+            return None, f"not a readable Parquet file ({_reason(e)})"
+        names = set(metadata.schema.to_arrow_schema().names)
+        if missing := [c for c in self.columns or () if c not in names]:
+            return None, f"no column {', '.join(map(repr, missing))} (it has {', '.join(sorted(names))})"
+        return metadata.num_rows, None
+
+    def read(self, path: str, start: int, stop: int, label: int) -> Row:
+        import pyarrow.parquet as pq
+
+        fs, fs_path = _filesystem(path)
+        try:
+            with fs.open_input_file(fs_path) as f:
+                parquet = pq.ParquetFile(f)
+                ends = np.cumsum([parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)])
+                groups = [g for g in range(len(ends)) if ends[g] > start and ends[g] - _group_rows(ends, g) < stop]
+                first = int(ends[groups[0]] - _group_rows(ends, groups[0]))
+                table = parquet.read_row_groups(groups, columns=list(self.columns) if self.columns else None)
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
+            raise BadFile(f"{path}: not a readable Parquet file ({_reason(e)})") from e
+        table = table.slice(start - first, stop - start)
+        return {name: _numpy(table.column(name)) for name in table.column_names}
+
+
+@dataclass(frozen=True)
+class Blocks(Stream):
+    """A materialized Ray Dataset, read as a stream whose "files" are its blocks, already in the object
+    store: each rank plans its share as for files and reads those rows itself (`ray.get` of the block,
+    zero-copy where the block is on its node). No Ray Data execution, no split coordinator, no dataset
+    manager: on 2 cores those processes cost a run ~1.5 s of its start (bench/README.md). `of` lists the
+    blocks from the dataset's own metadata; the driver holds the dataset, so the blocks live as long as
+    the run."""
+
+    refs: tuple = field(default=(), repr=False)  # ObjectRef of each block
+    offsets: tuple[int, ...] = ()  # where each listed block's rows start in it (a bundle may hold a slice)
+
+    read_in_tasks = False
+
+    @classmethod
+    def of(cls, dataset: Any) -> Blocks | None:
+        """A materialized dataset's blocks, or None where its metadata cannot say (a lazy dataset, or
+        Ray Data's internals changed): Ray Train's Ray Data path then reads it."""
+        from ray.data.dataset import MaterializedDataset
+
+        if not isinstance(dataset, MaterializedDataset):
+            return None
+        refs, offsets, rows = [], [], []
+        try:
+            for bundle in _bundles(dataset):
+                for entry, part in zip(bundle.blocks, bundle.slices):
+                    refs.append(entry.ref)
+                    offsets.append(part.start_offset if part is not None else 0)
+                    rows.append(part.num_rows if part is not None else entry.metadata.num_rows)
+        except Exception:  # noqa: BLE001 - Ray Data's internals changed
+            return None
+        if None in rows:
+            return None
+        manifest = Manifest("object store", tuple(map(str, range(len(refs)))), np.array(rows, dtype=np.int64))
+        return cls("object store", refs=tuple(refs), offsets=tuple(offsets), manifest=manifest)
+
+    def read(self, path: str, start: int, stop: int, label: int) -> Row:
+        import ray
+        from ray.data.block import BlockAccessor
+
+        i = int(path)
+        block = BlockAccessor.for_block(ray.get(self.refs[i]))
+        rows = block.slice(self.offsets[i] + start, self.offsets[i] + stop, copy=False)
+        columns = BlockAccessor.for_block(rows).to_batch_format("numpy")
+        return {name: np.asarray(column) for name, column in columns.items()}
+
+
+def _bundles(dataset: Any) -> list:
+    """A materialized dataset's bundles of blocks as its plan holds them (its source: `from_blocks`,
+    `from_numpy`, ... or what `materialize` made). Read there, not executed: Ray Data's first execution
+    in a process starts its executor and creates the cluster's stats actor, one more process (~1
+    CPU-second) while the run starts (bench/README.md); Ray Data executes a plan it cannot read so."""
+    output_data = getattr(dataset._logical_plan.dag, "output_data", None)
+    bundles = output_data() if callable(output_data) else None
+    return list(dataset.iter_internal_ref_bundles()) if bundles is None else bundles
+
+
+def row_rng(seed: int, epoch: int, row: int) -> np.random.Generator:
+    """The generator a row's transform draws from in an epoch."""
+    return np.random.default_rng((seed, epoch, row))
+
+
+# The epoch's plan: which rows each rank trains, in which order. Pure functions of their arguments.
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of one file, the first of them at `position` in a rank's share."""
+
+    path: str
+    label: int
+    start: int
+    stop: int
+    position: int
+    first_row: int  # the row id of the file's row `start`
+
+
+def file_order(files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The order the files are read in an epoch."""
+    from raytrain_ddp.data.datasets import FILE_ORDER, derive_seed
+
+    if not shuffle:
+        return np.arange(files)
+    return np.random.default_rng(derive_seed(seed, FILE_ORDER, epoch)).permutation(files)
+
+
+def share(total: int, world_size: int, rank: int, equal: bool) -> tuple[int, int]:
+    """Rank `rank`'s rows [first, end) of an epoch's sequence: equal shares (training: the last
+    total % world_size rows are left out), or contiguous ranges that cover every row (validation)."""
+    if equal:
+        n = total // world_size
+        return rank * n, (rank + 1) * n
+    return total * rank // world_size, total * (rank + 1) // world_size
+
+
+def pieces(manifest: Manifest, order: np.ndarray, first: int, end: int, origin: int, most: int) -> list[Piece]:
+    """The pieces of files, of at most `most` rows, that hold rows [first, end) of the sequence `order`
+    makes, their positions counted from `origin` (the share's first row)."""
+    rows, first_row = manifest.rows[order], manifest.first_row
+    ends = np.cumsum(rows)
+    starts = ends - rows
+    found = []
+    for k in range(int(np.searchsorted(ends, first, side="right")), len(order)):
+        if starts[k] >= end:
+            break
+        i = int(order[k])
+        lo, hi = max(first, int(starts[k])) - int(starts[k]), min(end, int(ends[k])) - int(starts[k])
+        label = int(manifest.labels[i]) if manifest.labels is not None else -1
+        for a in range(lo, hi, most):  # a long file in pieces of at most `most` rows
+            b = min(hi, a + most)
+            found.append(Piece(manifest.files[i], label, a, b, int(starts[k]) + a - origin, int(first_row[i]) + a))
+    return found
+
+
+def window_rows(batch_size: int, shuffle_rows: int, shuffle: bool) -> int:
+    """Rows shuffled together in a share: whole batches; one batch where nothing is shuffled."""
+    if not shuffle:
+        return batch_size
+    return batch_size * max(1, math.ceil(shuffle_rows / batch_size))
+
+
+def window_order(rows: int, seed: int, epoch: int, rank: int, window: int, shuffle: bool) -> np.ndarray:
+    from raytrain_ddp.data.datasets import SHUFFLE, derive_seed
+
+    if not shuffle:
+        return np.arange(rows)
+    return np.random.default_rng(derive_seed(seed, SHUFFLE, epoch, rank, window)).permutation(rows)
+
+
+# Reading: on the workers (the pipeline) and in Ray Data's tasks (`read_pieces`).
+
+
+def read_pieces(batch: dict[str, np.ndarray], stream: Stream, seed: int, epoch: int, skip_bad: bool) -> Row:
+    """A Ray Data task: read a batch of pieces, transform their rows, and number them by position. An
+    unreadable file raises BadFile, or, with `skip_bad`, is left out (its positions stay empty: the
+    rank notices, and counts it)."""
+    read: list[Row] = []
+    for path, label, start, stop, position, first_row in zip(
+        batch["path"], batch["label"], batch["start"], batch["stop"], batch["position"], batch["first_row"]
+    ):
+        try:
+            rows = stream.read(str(path), int(start), int(stop), int(label))
+        except BadFile as e:
+            if not skip_bad:
+                raise BadFile(f"{e}; remove it or set data.max_bad_files") from None
+            logger.warning("skipped: %s", e)
+            continue
+        rows = stream.transformed(rows, seed, epoch, int(first_row))
+        rows[POSITION] = np.arange(int(position), int(position) + int(stop) - int(start), dtype=np.int64)
+        read.append(rows)
+    return _concatenate(read) if read else {POSITION: np.zeros(0, dtype=np.int64)}
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What a rank reads of an epoch: `pieces`, from row `skip` of its share of `rows` rows, shuffled
+    (or not) in windows of `window` rows; its batches from `first_batch` on."""
+
+    epoch: int
+    first_batch: int
+    pieces: list[Piece]
+    skip: int
+    rows: int
+    window: int
+    shuffled: bool
+
+
+@dataclass
+class Pipeline:
+    """One rank's batches of a stream, read by its own Ray Data pipeline: training (`equal` shares,
+    shuffled as `shuffle` says) or validation (contiguous ranges, in file order)."""
+
+    stream: Stream
+    rank: int
+    world_size: int
+    seed: int
+    batch_size: int
+    data: Any  # config.DataSettings
+    shuffle: bool = False
+    shuffle_rows: int = 1
+    drop_last: bool = False
+    equal: bool = True
+    bad_files: set[str] = field(default_factory=set)  # of the epoch being read, on this rank
+    rows_read: int = 0  # rows read of the epoch being read, on this rank (from its start or resume point)
+
+    def batches(self, epoch: int, first_batch: int = 0) -> Iterator[Row]:
+        """This rank's batches of `epoch` from batch `first_batch` on, as numpy columns. Reads nothing
+        before the window of `first_batch`."""
+        plan = self.plan(epoch, first_batch)
+        try:
+            yield from self.batched(plan, self._read(plan.pieces, epoch))
+        except BadFile:
+            raise
+        except Exception as e:  # a task's BadFile reaches us as Ray Data's error, its message in the text
+            found = re.search(rf"{BadFile.__module__}\.BadFile: (.+)", str(e))
+            if found is None:
+                raise
+            raise BadFile(found.group(1)) from e
+
+    def plan(self, epoch: int, first_batch: int = 0) -> EpochPlan:
+        m = self.stream.manifest
+        order = file_order(len(m.files), self.seed, epoch, self.shuffle)
+        first, end = share(m.total, self.world_size, self.rank, self.equal)
+        shuffled = self.shuffle and not self.stream.one_row_per_file
+        window = window_rows(self.batch_size, self.shuffle_rows, shuffled)
+        skip = first_batch * self.batch_size // window * window  # rows of the share that are not read at all
+        most = self.data.task_rows if self.stream.read_in_tasks else max(1, m.total)  # a whole block, read here
+        planned = pieces(m, order, first + skip, end, first, most)
+        return EpochPlan(epoch, first_batch, planned, skip, end - first, window, shuffled)
+
+    def batched(self, plan: EpochPlan, blocks: Iterator[Row]) -> Iterator[Row]:
+        """Batches of the rows read for `plan` (blocks in position order, as `read_pieces` makes them)."""
+        size, self.bad_files, self.rows_read = self.batch_size, set(), 0
+        windows = _windows(blocks, plan.skip, plan.rows, plan.window)
+        for w, (origin, rows, positions) in enumerate(windows, start=plan.skip // plan.window):
+            self.rows_read += len(positions)
+            slots = window_order(
+                min(plan.window, plan.rows - origin), self.seed, plan.epoch, self.rank, w, plan.shuffled
+            )
+            index = np.full(len(slots), -1, dtype=np.int64)
+            index[positions - origin] = np.arange(len(positions))
+            for b in range(0, len(slots), size):
+                batch = (origin + b) // size
+                if batch < plan.first_batch:
+                    continue
+                if self.drop_last and b + size > len(slots):
+                    return
+                taken = index[slots[b : b + size]]
+                if (taken < 0).any():  # rows of skipped files
+                    self._missing(plan.pieces, origin + slots[b : b + size][taken < 0])
+                    taken = taken[taken >= 0]
+                    if len(taken) == 0:
+                        where = f"batch {batch} of epoch {plan.epoch + 1} on rank {self.rank}"
+                        raise BadFile(f"every row of {where} was unreadable")
+                yield {name: column[taken] for name, column in rows.items()}
+
+    def _read(self, planned: list[Piece], epoch: int) -> Iterator[Row]:
+        import ray
+        import ray.data
+
+        from raytrain_ddp.cluster.prestart import TASKS_RUNTIME_ENV
+
+        if not planned:
+            return iter(())
+        if not self.stream.read_in_tasks:
+            return self._read_here(planned, epoch)
+        d = self.data
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        context.print_on_execution_start = False
+        options = context.execution_options
+        options.preserve_order = True  # positions arrive in order: a window is whole once a later one starts
+        store = d.object_store_mb * 2**20 if d.object_store_mb else None
+        if store is None:  # Ray Data's default share of the object store, split between the ranks' pipelines
+            store = 0.5 * ray.cluster_resources().get("object_store_memory", 0) / self.world_size or None
+        options.resource_limits = options.resource_limits.copy(cpu=d.cpus, object_store_memory=store)
+        options.label_selector = dict(d.label_selector) or None
+        per_task = max(1, d.task_rows // max(p.stop - p.start for p in planned))  # pieces a task reads
+        items = [vars(p) for p in planned]
+        dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / per_task))
+        read = dataset.map_batches(
+            read_pieces,
+            batch_size=per_task,
+            batch_format="numpy",
+            # The stream without its file list: each task reads only its pieces.
+            fn_kwargs={"stream": replace(self.stream, manifest=None), "seed": self.seed, "epoch": epoch}
+            | {"skip_bad": d.max_bad_files > 0},
+            runtime_env=TASKS_RUNTIME_ENV,  # not this worker's setup hook: a reading task needs no torch
+        )
+        return read.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
+
+    def _read_here(self, planned: list[Piece], epoch: int) -> Iterator[Row]:
+        """The pieces read by this rank, as a reading task would (`read_pieces`), on a thread a piece
+        ahead of training: on a GPU the next block's fetch and copy overlap the step."""
+
+        def read(piece: Piece) -> Row:
+            return read_pieces({k: [v] for k, v in vars(piece).items()}, self.stream, self.seed, epoch, skip_bad=False)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="blocks") as pool:
+            ahead = pool.submit(read, planned[0])
+            for piece in planned[1:]:
+                current, ahead = ahead, pool.submit(read, piece)
+                yield current.result()
+            yield ahead.result()
+
+    def _missing(self, planned: list[Piece], positions: np.ndarray) -> None:
+        """Name the files of rows that their task left out (unreadable, skipped)."""
+        for position in positions:
+            for piece in planned:
+                if piece.position <= position < piece.position + piece.stop - piece.start:
+                    self.bad_files.add(piece.path)
+                    break
+
+
+def _windows(blocks: Iterator[Row], skip: int, rows: int, window: int) -> Iterator[tuple[int, Row, np.ndarray]]:
+    """Group blocks of rows (in position order) into windows: (window's first position, its rows, their
+    positions). Each block is copied out of the object store as it arrives: Ray Data's numpy batches are
+    views of it, and a window held on views would pin its blocks there (up to a window of them)."""
+    origin, held = skip, []
+    for block in blocks:
+        block = {name: np.array(column) for name, column in block.items()}
+        positions = block[POSITION]
+        if len(positions) == 0:
+            continue
+        while positions[0] >= origin + window:  # the window before this block is whole
+            yield _window(origin, held)
+            origin, held = origin + window, []
+        cut = int(np.searchsorted(positions, origin + window))
+        held.append({k: v[:cut] for k, v in block.items()})
+        rest = {k: v[cut:] for k, v in block.items()}
+        while _length(rest):
+            yield _window(origin, held)
+            origin += window
+            cut = int(np.searchsorted(rest[POSITION], origin + window))
+            held, rest = [{k: v[:cut] for k, v in rest.items()}], {k: v[cut:] for k, v in rest.items()}
+    while origin < rows:
+        yield _window(origin, held)
+        origin, held = origin + window, []
+
+
+def _window(origin: int, held: list[Row]) -> tuple[int, Row, np.ndarray]:
+    rows = _concatenate([h for h in held if _length(h)]) if any(_length(h) for h in held) else {}
+    positions = rows.pop(POSITION, np.zeros(0, dtype=np.int64))
+    return origin, rows, positions
+
+
+# Files and columns.
+
+
+def _filesystem(uri: str):
+    return storage.locate(storage.absolute(uri))
+
+
+def _files_under(fs, root: str, extensions: Sequence[str]) -> list[str]:
+    import pyarrow.fs
+
+    info = fs.get_file_info(root)
+    if info.type == pyarrow.fs.FileType.NotFound:
+        raise BadFile(f"{root}: no such directory")
+    selector = pyarrow.fs.FileSelector(root, recursive=True)
+    return sorted(
+        f.path
+        for f in fs.get_file_info(selector)
+        if f.type == pyarrow.fs.FileType.File and f.path.lower().endswith(tuple(extensions))
+    )
+
+
+def _relative(root: str, path: str) -> str:
+    return path[len(root.rstrip("/")) + 1 :]
+
+
+def _uri(original: str, root: str, path: str) -> str:
+    """A listed file as the user named its root: s3://bucket/... stays a URI."""
+    if "://" in original:
+        return f"{original.split('://')[0]}://{path}"
+    return path
+
+
+def _reason(error: Exception) -> str:
+    """An error of Pillow or pyarrow in a few words: its first sentence, without object addresses."""
+    text = re.sub(r" ?<[^>]* at 0x[0-9a-f]+>", "", str(error)).split(". ")[0].strip()
+    return text[:80] or type(error).__name__
+
+
+def _group_rows(ends: np.ndarray, g: int) -> int:
+    return int(ends[g] - (ends[g - 1] if g else 0))
+
+
+def _numpy(column) -> np.ndarray:
+    """A column as numpy; a list column (lists of one length) as a 2-D array."""
+    import pyarrow as pa
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    kind = column.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+        return column.to_numpy(zero_copy_only=False)
+    lengths = set(pa.compute.list_value_length(column).to_numpy(zero_copy_only=False).tolist())
+    if len(lengths) > 1:
+        raise ValueError(f"a list column holds lists of {len(lengths)} lengths: they cannot stack into a batch")
+    flat = column.flatten().to_numpy(zero_copy_only=False)
+    return flat.reshape(len(column), lengths.pop() if lengths else 0)
+
+
+def _length(rows: Row) -> int:
+    return len(next(iter(rows.values()))) if rows else 0
+
+
+def _concatenate(parts: list[Row]) -> Row:
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]} if parts else {}
