@@ -34,10 +34,13 @@ test: lint
 test-quick: install
 	.venv/bin/pytest -m "unit or smoke"
 
-# ruff: lint and formatting (pyproject.toml's [tool.ruff]); `make format` fixes what it can.
+# ruff: lint, formatting, short functions, Ray's internals only in ray_compat/ (pyproject.toml's
+# [tool.ruff]); import-linter: the layers by process and no import cycle ([tool.importlinter]).
+# `make format` fixes what it can.
 lint: install
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/lint-imports
 
 format: install
 	.venv/bin/ruff check --fix .

@@ -25,7 +25,7 @@ __all__ = [
 # torch, Ray Train and MLflow load on first use, so `--help` and config checks stay fast.
 _LAZY = {
     "run": "raytrain_ddp.driver.run",
-    "register": "raytrain_ddp.registry.registration",
+    "register": "raytrain_ddp.driver.registration",
     "RunSummary": "raytrain_ddp.driver.summary",
     "RunFailed": "raytrain_ddp.errors",
     "RunInterrupted": "raytrain_ddp.errors",

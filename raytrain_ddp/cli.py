@@ -142,9 +142,23 @@ def _train(args: argparse.Namespace) -> int:
     elif (busy := _held_by_another_driver(config)) is not None:  # in a second, before torch and Ray load
         print(f"error: {busy}", file=sys.stderr)
         return 2
-    # Ctrl-C while loading is noted, and acted on once the imports end (a few seconds): raised inside
-    # them, it can land in the import machinery's callback of a lock, where Python prints it and drops
-    # it, and the command went on to train (seen in CI).
+    run = _import_the_run(session)
+    if run is None:
+        print("interrupted (Ctrl-C) while loading, before anything was read or written", file=sys.stderr)
+        return 130
+    timeline.mark("imports")
+    session.stop_on_sigterm()
+    try:
+        return _exit_status(run, config, args.verbose, session)
+    finally:
+        _leave_ray()
+
+
+def _import_the_run(session: typing.Any) -> typing.Any:
+    """`driver.run.run`, imported (torch and Ray, only to train; MLflow comes while Ray starts); None
+    where Ctrl-C was pressed meanwhile. Ctrl-C while loading is noted, and acted on once the imports end
+    (a few seconds): raised inside them, it can land in the import machinery's callback of a lock,
+    where Python prints it and drops it, and the command went on to train (seen in CI)."""
     pressed: list[int] = []
 
     def note(signum: int, _frame: object) -> None:
@@ -152,24 +166,27 @@ def _train(args: argparse.Namespace) -> int:
 
     handler = signal.signal(signal.SIGINT, note)
     try:
-        from raytrain_ddp.checkpoint.lease import RunBusy
-        from raytrain_ddp.driver.run import run  # torch and Ray, only to train (MLflow comes while Ray starts)
-        from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
+        from raytrain_ddp.driver.run import run
 
         if pressed:
             raise KeyboardInterrupt
+        return run
     except KeyboardInterrupt:
         session.leave()
-        print("interrupted (Ctrl-C) while loading, before anything was read or written", file=sys.stderr)
-        return 130
+        return None
     finally:
         if signal.getsignal(signal.SIGINT) is note:  # not one an import installed meanwhile
             signal.signal(signal.SIGINT, handler)
-    timeline.mark("imports")
-    session.stop_on_sigterm()
+
+
+def _exit_status(run: typing.Any, config: Config, verbose: bool, session: typing.Any) -> int:
+    """Train, and the command's exit status: 0 done, 1 failed, 2 refused, 3 not registered, 130/143
+    interrupted (Ctrl-C / SIGTERM)."""
+    from raytrain_ddp.checkpoint.lease import RunBusy
+    from raytrain_ddp.errors import RegistrationFailed, RunFailed, RunInterrupted
 
     try:
-        run(config, verbose=args.verbose)
+        run(config, verbose=verbose)
     except (ConfigError, RunBusy) as e:  # what only the recipe, the cluster, the servers or the run's record could tell
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -186,8 +203,6 @@ def _train(args: argparse.Namespace) -> int:
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        _leave_ray()
     return 0
 
 
@@ -232,8 +247,8 @@ def _leave_ray() -> None:
 def _register(args: argparse.Namespace) -> int:
     from raytrain_ddp.checkpoint.format import NoValidCheckpoint
     from raytrain_ddp.checkpoint.lease import RunBusy
+    from raytrain_ddp.driver.registration import register
     from raytrain_ddp.errors import RunFailed
-    from raytrain_ddp.registry.registration import register
 
     try:
         register(args.run, tracking_uri=args.tracking_uri, verbose=args.verbose)

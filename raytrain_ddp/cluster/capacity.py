@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from raytrain_ddp.config.schema import Config
+from raytrain_ddp.ray_compat import cluster as ray_compat
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +83,10 @@ def holders(own_name: str | None) -> list[str]:
     """The other Ray Train runs of the cluster whose workers are placed now: 'run NAME (job ID, N
     workers × RESOURCES)' from Ray Train's state actor (what its dashboard shows: on where
     session.fit_environment turns it on), else 'N training workers of job ID' from Ray's actors."""
-    try:
-        from ray.train.v2._internal.state.state_actor import get_state_actor
-
-        actor = get_state_actor()
-        if actor is None:
-            return _worker_jobs()
-        runs = ray.get(actor.get_train_runs.remote(), timeout=10)
-        attempts = ray.get(actor.get_train_run_attempts.remote(), timeout=10)
-    except Exception as e:  # noqa: BLE001 - the words are a help, never a reason to fail
-        logger.debug("Ray Train's state actor did not answer: %s", e)
+    recorded = ray_compat.train_runs()
+    if recorded is None:
         return _worker_jobs()
+    runs, attempts = recorded
     found = []
     for run_id, run in runs.items():
         if str(getattr(run.status, "value", run.status)) != "RUNNING" or run.name == own_name:
@@ -121,38 +115,12 @@ def _worker_jobs() -> list[str]:
     return [f"{count} training workers of job {job}" for job, count in sorted(jobs.items())]
 
 
-def start_coordinator() -> None:
-    """Create Ray's autoscaling coordinator (one detached actor per cluster, on this node) if the
-    cluster has none yet, without waiting for it. Ray Train's controller asks it for the workers'
-    resources as it starts, and it waited for a new one's process to come up: the controller phase
-    of the tests' tiny job on a new local Ray 3.3-3.6 s, 1.9-2.3 s with the process started here,
-    while the driver builds the datasets (2 cores; the benchmark's cold run did not wait before
-    either). A cluster that has one keeps it."""
-    try:
-        _coordinator()
-    except Exception as e:  # noqa: BLE001 - the controller creates it then, as it would have
-        logger.debug("Ray's autoscaling coordinator not started ahead: %s", e)
-
-
 def withdraw(run_id: str) -> None:
     """Withdraw the request for the workers' resources that Ray Train's controller of run `run_id`
     made to Ray's autoscaling coordinator (every run makes one, at start). The controller withdraws it
     as it shuts down; one killed cannot, and the request would hold its reservation for 3 minutes
     (AUTOSCALING_REQUESTS_EXPIRE_TIME_S), where an elastic run and Ray Data count room from it."""
-    try:
-        coordinator = _coordinator()
-        ray.get(coordinator.cancel_request.remote(requester_id=f"train-{run_id}"), timeout=10)
-    except Exception as e:  # noqa: BLE001 - it expires by itself
-        logger.warning("the run's resource request was not withdrawn (it expires within 3 min): %s", e)
-
-
-def _coordinator() -> Any:
-    """Ray's autoscaling coordinator: Ray Train's and Ray Data's, created by whichever asks first."""
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
-
-    return get_or_create_autoscaling_coordinator()
+    ray_compat.withdraw_request(f"train-{run_id}")
 
 
 def placement_groups() -> dict[str, str]:
@@ -212,12 +180,7 @@ def _answers(host: str, port: int) -> bool:
 
 def _nodes() -> list[dict[str, Any]]:
     """The alive nodes: their ids, labels, total and free resources."""
-    from ray._private.state import state  # free resources per node: no public API
-
-    try:
-        free = state.available_resources_per_node()
-    except Exception:  # noqa: BLE001 - judge by the totals alone
-        free = {}
+    free = ray_compat.free_resources_per_node()
     return [
         {
             "id": node["NodeID"],

@@ -9,7 +9,7 @@ process of the same runtime environment if it has one; Ray Train's controller an
 (the environment variables Ray Train passes on), so the processes Ray starts for a first driver never
 serve them. The driver asks the raylets for the run's processes with exactly those runtime
 environments: the workers' as soon as it has joined Ray (`start`), each loading their modules as it
-starts (`preload`, run by Ray as the workers' setup hook, `worker_runtime_env`); the controller's
+starts (`worker.setup.preload`, run by Ray as the workers' setup hook, `worker_runtime_env`); the controller's
 (and its synchronization actor's) once the datasets are built (`start_controller`). Ray Train's
 controller and workers are then these processes, started while the driver built the datasets and
 checked the recipe (bench/README.md).
@@ -33,70 +33,36 @@ import os
 import time
 
 import ray
-from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as HOOK_ENV
 
 from raytrain_ddp.cluster import capacity, session
 from raytrain_ddp.config.schema import Config
+from raytrain_ddp.ray_compat import cluster
+from raytrain_ddp.ray_compat import prestart as ray_compat
+from raytrain_ddp.worker import setup
 
-KEEP_ALIVE_S = 300  # how long the raylet keeps them for this job, unused, before its idle-worker rules apply
+KEEP_ALIVE_S = ray_compat.KEEP_ALIVE_S
 # In the controller's runtime environment unless the driver's sets it (setdefault), so in the workers'.
 _CONTROLLER_DEFAULTS = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
-# For the Ray tasks a worker starts (a streamed dataset's reads): they inherit the worker's runtime
-# environment, and must not load a training worker's modules as they start.
-TASKS_RUNTIME_ENV = {"env_vars": {HOOK_ENV: ""}}
 # What this process asked for and no fit() has taken yet, by (Ray job, runtime environment, node): when.
 _idle: dict[tuple[str, str, str], float] = {}
 
 
-def preload() -> None:
-    """A training worker's modules, loaded as its process starts. Never raises: Ray ends a worker whose
-    setup hook fails, and the worker imports what failed here again, where the error is reported."""
-    try:
-        import ray.train.v2._internal.execution.worker_group.worker  # noqa: F401 - the worker actor's class
-        import torch.distributed  # noqa: F401
-
-        import raytrain_ddp.worker.loop  # noqa: F401
-    except BaseException:  # noqa: BLE001, S110 - an optimization only
-        pass
-
-
-def preload_ddp() -> None:
-    """`preload`, and torch's compiler stack: DDP reads its config as it wraps the model."""
-    preload()
-    try:
-        import torch._dynamo  # noqa: F401
-    except BaseException:  # noqa: BLE001, S110
-        pass
-
-
-def threads_as_ray_says() -> None:
-    """Torch's threads as Ray sets them for a worker's CPUs (OMP_NUM_THREADS, set as it starts the
-    actor; 1 for half a CPU). A worker started ahead loaded torch before, and OpenMP took its count
-    then, from the whole machine's cores: on 2 cores two such ranks ran 2 threads each, a CNN's
-    epochs 2.5 times as long. The loop calls it first."""
-    import torch
-
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
-        torch.set_num_threads(int(threads))
-
-
 def worker_runtime_env(config: Config) -> dict:
     """What the run's workers carry beyond Ray Train's own environment: the preloading hook, on CPU."""
-    if config.scaling.use_gpu:
+    if config.scaling.use_gpu or not ray_compat.available():
         return {}
     hook = "preload_ddp" if config.scaling.max_workers > 1 or config.train.compile else "preload"
-    return {"env_vars": {HOOK_ENV: f"{__name__}.{hook}"}}
+    return {"env_vars": {ray_compat.hook_env(): f"{setup.__name__}.{hook}"}}
 
 
 def ahead(config: Config) -> None:
     """What the run starts ahead once the driver has joined Ray (`session.connect`; the command's
     `session.start`, on its thread, while the command still imports torch and Ray Train): the workers'
     processes (`start`), then Ray's autoscaling coordinator, which Ray Train's controller waits for
-    (`capacity.start_coordinator`). In that order: a raylet drops the part of a prestart request
+    (`ray_compat.cluster.start_autoscaling_coordinator`). In that order: a raylet drops the part of a prestart request
     beyond its free start slots (one per CPU), and an actor's creation waits for one."""
     start(config)
-    capacity.start_coordinator()
+    cluster.start_autoscaling_coordinator()
 
 
 def start(config: Config) -> int:
@@ -136,10 +102,8 @@ def controller_env(config: Config) -> dict[str, str]:
     """The environment variables of Ray Train's controller, its runtime environment: those it
     propagates from the driver's environment as fit() starts (with the run's settings in it,
     `session.fit_environment`), and its default."""
-    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
-
     driver = os.environ | session.fit_environment(config.run.controller_poll_s, config.scaling.elastic)
-    return _CONTROLLER_DEFAULTS | {key: driver[key] for key in ENV_VARS_TO_PROPAGATE if key in driver}
+    return _CONTROLLER_DEFAULTS | {key: driver[key] for key in ray_compat.propagated_env_keys() if key in driver}
 
 
 def _as_the_driver_sends(runtime_env: dict) -> str:
@@ -179,7 +143,7 @@ def _merged(parent: dict, child: dict) -> dict:
 
 def _here(config: Config, alive: list[dict]) -> dict | None:
     """The driver's node, where the run's processes may be started ahead, if the run allows it."""
-    if not config.run.prestart_workers:
+    if not config.run.prestart_workers or not ray_compat.available():
         return None
     node = ray.get_runtime_context().get_node_id()
     return next((n for n in alive if n["NodeID"] == node), None)
@@ -193,27 +157,8 @@ def _ask(node: dict, serialized_env: str, count: int) -> int:
     if key in _idle and time.monotonic() - _idle[key] < KEEP_ALIVE_S:
         return 0  # a run of this process refused after asking left them: this one takes those
     try:
-        _prestart(node, job, serialized_env, count)
+        ray_compat.prestart_workers(node, job, serialized_env, count)
     except Exception:  # noqa: BLE001 - an optimization only
         return 0
     _idle[key] = time.monotonic()
     return count
-
-
-def _prestart(node: dict, job: str, serialized_env: str, count: int) -> None:
-    from ray._private.grpc_utils import init_grpc_channel
-    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
-    from ray.core.generated.common_pb2 import Language
-
-    request = node_manager_pb2.PrestartWorkersRequest(
-        language=Language.PYTHON,
-        job_id=bytes.fromhex(job),
-        keep_alive_duration_secs=KEEP_ALIVE_S,
-        num_workers=count,
-    )
-    request.runtime_env_info.serialized_runtime_env = serialized_env
-    channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}", asynchronous=False)
-    try:
-        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=5)
-    finally:
-        channel.close()

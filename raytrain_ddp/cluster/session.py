@@ -21,9 +21,9 @@ from typing import Any
 
 import psutil
 import ray
-from ray._private import ray_constants
 
 from raytrain_ddp.cluster.ray_address import ADDRESS_ENV, RayAddress, check_environment
+from raytrain_ddp.ray_compat import cluster as ray_compat
 
 # Ray Train reads its controller's poll interval from the driver's environment when fit() starts.
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -47,10 +47,7 @@ GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 # CPUs (Ray Train's actors alone outnumber a small node's CPUs), Ray ends the idle ones past that second,
 # so each epoch of a lazy Ray Dataset started its Ray Data tasks' processes anew (on 2 cores, a tiny
 # lazy dataset's epoch took 6.2-6.9 s, 0.8-1.0 s with its processes kept).
-OWN_RAY = {
-    "include_dashboard": False,
-    "_system_config": {"prestart_worker_first_driver": False, "idle_worker_killing_time_threshold_ms": 60_000},
-}
+OWN_RAY = {"include_dashboard": False, **ray_compat.own_ray_options()}
 # Ray Data's usage collection (new in Ray 2.60), on in a driver that joins a cluster unless Ray's usage
 # stats are off there (a Ray that ray.init starts turns them off in the process): each process that
 # executes a dataset starts a thread polling the cluster's metrics, and the first creates a detached
@@ -195,10 +192,8 @@ def leave() -> None:
         started, _started = _started, None
         with contextlib.suppress(BaseException):
             started.result()
-    node = ray._private.worker._global_node  # this process's Ray: its processes, if it started them
-    if node is not None:
-        with contextlib.suppress(Exception):
-            node.kill_monitor(check_alive=False)
+    node = ray_compat.own_node()  # this process's Ray: its processes, if it started them
+    ray_compat.stop_monitor(node)
     workers = _workers_started_by(node)
     gc.freeze()
     try:
@@ -215,9 +210,8 @@ def _workers_started_by(node: Any) -> list[psutil.Process]:
     shutdown leaves them to end as they find their raylet gone; one still starting then (asked for
     ahead, `prestart`, by a command stopped while it loads) outlived the command by more than 10 s
     once, on a busy machine."""
-    raylets = [] if node is None else node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
     try:
-        return [child for raylet in raylets for child in psutil.Process(raylet.process.pid).children(recursive=True)]
+        return [child for pid in ray_compat.raylet_pids(node) for child in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
 
@@ -260,14 +254,8 @@ def fit_environment(controller_poll_s: float, elastic: bool) -> dict[str, str]:
 
 
 def autoscaler_config():
-    """The autoscaler's cluster config (node types, max counts), or None without an autoscaler. Ray
-    Train reads the same record for its own, later, check; there is no public API for it."""
-    from ray._private.state import state
-
-    try:
-        return state.get_cluster_config()
-    except Exception:  # noqa: BLE001 - no autoscaler: judge by the nodes there are
-        return None
+    """The autoscaler's cluster config (node types, max counts), or None without an autoscaler."""
+    return ray_compat.autoscaler_config()
 
 
 def bounded_mlflow_retries() -> contextlib.AbstractContextManager:

@@ -21,8 +21,10 @@ from typing import Any
 import ray
 import ray.train
 from ray.exceptions import RayActorError
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.queue import Queue
+
+from raytrain_ddp.ray_compat import cluster as ray_compat
+from raytrain_ddp.ray_compat.controller import ControllerCallback, WorkerGroupCallback
 
 logger = logging.getLogger(__name__)
 # An elastic run's recount of the cluster comes this long before Ray Train's resize check (its polls are
@@ -171,15 +173,7 @@ class ClusterRecount(ControllerCallback, WorkerGroupCallback):
         self.next_recount = float("inf")
 
     def _recount(self) -> None:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-
-        try:  # `recompute`: the coordinator's tick, now (the alive nodes, then every run's reservation)
-            coordinator = get_or_create_autoscaling_coordinator()
-            ray.get(coordinator.get_reserved_resources.remote(self.requester, recompute=True), timeout=5)
-        except Exception as e:  # noqa: BLE001 - the coordinator's own tick counts them within 20 s
-            logger.warning("the cluster's nodes not recounted for the elastic policy: %s", e)
+        ray_compat.recount_nodes(self.requester)  # `recompute`: the coordinator's tick, now
 
 
 def _preempted(error: BaseException) -> bool:

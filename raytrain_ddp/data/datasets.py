@@ -45,11 +45,11 @@ from ray.train import DataConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
 from raytrain_ddp.data import stream
+from raytrain_ddp.data.seeds import LOADER, SHUFFLE, WORKER_RNG, derive_seed
 from raytrain_ddp.config.schema import DataSettings, TrainSettings
 
 DATASETS = ("train", "val")
 FITTED = "fitted"  # build_datasets' optional third entry: statistics of the training rows, for build_model
-SHUFFLE, WORKER_RNG, LOADER, FILE_ORDER = 0, 1, 2, 3  # the purposes derive_seed serves
 # Rows a worker takes from Ray Data at a time (at least one batch), then cuts into training batches on
 # the device: Ray Data's iterator threads cost about the same per batch whatever its size, and on a
 # 2-core machine they took CPU from training (README: Benchmarks). A local shuffle buffer smaller than
@@ -213,11 +213,6 @@ def split_batches(
             if drop_last and start + size > rows:
                 return
             yield {name: column[start : start + size] for name, column in batch.items()}
-
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """An independent 32-bit seed for each (seed, *keys): one per purpose, epoch and rank."""
-    return int(np.random.SeedSequence(seed, spawn_key=keys).generate_state(1)[0])
 
 
 class WorkerData:

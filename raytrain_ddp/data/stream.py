@@ -62,6 +62,8 @@ from typing import Any, Literal
 import numpy as np
 
 from raytrain_ddp.checkpoint import storage
+from raytrain_ddp.data.seeds import FILE_ORDER, SHUFFLE, derive_seed
+from raytrain_ddp.ray_compat import data as ray_compat
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +293,7 @@ class Blocks(Stream):
             return None
         refs, offsets, rows = [], [], []
         try:
-            for bundle in _bundles(dataset):
+            for bundle in ray_compat.bundles(dataset):
                 for entry, part in zip(bundle.blocks, bundle.slices):
                     refs.append(entry.ref)
                     offsets.append(part.start_offset if part is not None else 0)
@@ -312,16 +314,6 @@ class Blocks(Stream):
         rows = block.slice(self.offsets[i] + start, self.offsets[i] + stop, copy=False)
         columns = BlockAccessor.for_block(rows).to_batch_format("numpy")
         return {name: np.asarray(column) for name, column in columns.items()}
-
-
-def _bundles(dataset: Any) -> list:
-    """A materialized dataset's bundles of blocks as its plan holds them (its source: `from_blocks`,
-    `from_numpy`, ... or what `materialize` made). Read there, not executed: Ray Data's first execution
-    in a process starts its executor and creates the cluster's stats actor, one more process (~1
-    CPU-second) while the run starts (bench/README.md); Ray Data executes a plan it cannot read so."""
-    output_data = getattr(dataset._logical_plan.dag, "output_data", None)
-    bundles = output_data() if callable(output_data) else None
-    return list(dataset.iter_internal_ref_bundles()) if bundles is None else bundles
 
 
 def row_rng(seed: int, epoch: int, row: int) -> np.random.Generator:
@@ -346,8 +338,6 @@ class Piece:
 
 def file_order(files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """The order the files are read in an epoch."""
-    from raytrain_ddp.data.datasets import FILE_ORDER, derive_seed
-
     if not shuffle:
         return np.arange(files)
     return np.random.default_rng(derive_seed(seed, FILE_ORDER, epoch)).permutation(files)
@@ -389,8 +379,6 @@ def window_rows(batch_size: int, shuffle_rows: int, shuffle: bool) -> int:
 
 
 def window_order(rows: int, seed: int, epoch: int, rank: int, window: int, shuffle: bool) -> np.ndarray:
-    from raytrain_ddp.data.datasets import SHUFFLE, derive_seed
-
     if not shuffle:
         return np.arange(rows)
     return np.random.default_rng(derive_seed(seed, SHUFFLE, epoch, rank, window)).permutation(rows)
@@ -507,7 +495,7 @@ class Pipeline:
         import ray
         import ray.data
 
-        from raytrain_ddp.cluster.prestart import TASKS_RUNTIME_ENV
+        from raytrain_ddp.ray_compat.prestart import tasks_runtime_env
 
         if not planned:
             return iter(())
@@ -534,7 +522,7 @@ class Pipeline:
             # The stream without its file list: each task reads only its pieces.
             fn_kwargs={"stream": replace(self.stream, manifest=None), "seed": self.seed, "epoch": epoch}
             | {"skip_bad": d.max_bad_files > 0},
-            runtime_env=TASKS_RUNTIME_ENV,  # not this worker's setup hook: a reading task needs no torch
+            runtime_env=tasks_runtime_env(),  # not this worker's setup hook: a reading task needs no torch
         )
         return read.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
 

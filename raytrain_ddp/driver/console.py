@@ -131,40 +131,56 @@ class LiveProgress:
                 return
             if kind == END:
                 return
-            if kind == "marks":
-                self.timeline.add(*event)
-                if "worker group" in event[0]:  # the workers placed and started
-                    self._placed()
-            elif kind == "controller":
-                self._controller, self._run_id = event
-                if self.config.scaling.elastic:  # it starts by deciding how many workers to start
-                    self._deciding_since = time.monotonic()
-            elif kind == "workers":
-                [self._worker_nodes] = event
-            elif kind == "state" and self.config.scaling.elastic:
-                deciding = event[0] in DECIDING
-                self._deciding_since = (self._deciding_since or time.monotonic()) if deciding else None
-            elif kind == "resizing":
-                self._resizing(*event)
-            elif kind == "preempting":
-                self._preempting(*event)
-            elif kind == "preempted":
-                self._preempted(*event)
-            elif kind == PROGRESS:
-                self._began()
-                self._progressed(*event)
-            elif kind == "report":
-                self._began()
-                metrics, self.latest = event
-                self._deciding_since = None
-                self.timeline.add(metrics.pop(MARKS, {}))
-                if self.reported is not None:
-                    self.reported(metrics)
-                self._show(metrics)
-            elif kind == "failure":
-                self.progress.restart()
-                self._failed(*event)
+            handler = {
+                "marks": self._on_marks,
+                "controller": self._on_controller,
+                "workers": self._on_workers,
+                "state": self._on_state,
+                "resizing": self._resizing,
+                "preempting": self._preempting,
+                "preempted": self._preempted,
+                PROGRESS: self._on_progress,
+                "report": self._on_report,
+                "failure": self._on_failure,
+            }.get(kind)
+            if handler is not None:
+                handler(*event)
             self._watch()
+
+    def _on_marks(self, marks: dict[str, float]) -> None:
+        self.timeline.add(marks)
+        if "worker group" in marks:  # the workers placed and started
+            self._placed()
+
+    def _on_controller(self, controller: bytes, run_id: str) -> None:
+        self._controller, self._run_id = controller, run_id
+        if self.config.scaling.elastic:  # it starts by deciding how many workers to start
+            self._deciding_since = time.monotonic()
+
+    def _on_workers(self, nodes: dict[int, str]) -> None:
+        self._worker_nodes = nodes
+
+    def _on_state(self, state: str) -> None:
+        if self.config.scaling.elastic:
+            deciding = state in DECIDING
+            self._deciding_since = (self._deciding_since or time.monotonic()) if deciding else None
+
+    def _on_progress(self, note: dict[str, Any]) -> None:
+        self._began()
+        self._progressed(note)
+
+    def _on_report(self, metrics: dict[str, Any], latest: Any) -> None:
+        self._began()
+        self.latest = latest
+        self._deciding_since = None
+        self.timeline.add(metrics.pop(MARKS, {}))
+        if self.reported is not None:
+            self.reported(metrics)
+        self._show(metrics)
+
+    def _on_failure(self, *event: Any) -> None:
+        self.progress.restart()
+        self._failed(*event)
 
     def _began(self) -> None:
         if self.training is not None:

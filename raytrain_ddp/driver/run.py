@@ -21,8 +21,6 @@ from typing import Any
 import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from rich.console import Console
 
 from raytrain_ddp.checkpoint import lease, storage
@@ -34,12 +32,12 @@ from raytrain_ddp.driver import console as ui
 from raytrain_ddp.driver import plan as planning
 from raytrain_ddp.driver import timeline
 from raytrain_ddp.driver.plan import Plan
+from raytrain_ddp.driver.registration import Registration, decided_already, register_best
 from raytrain_ddp.driver.summary import RunSummary, show
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.preflight import checks as preflight
+from raytrain_ddp.ray_compat import controller, trainer
 from raytrain_ddp.registry import tracking
-from raytrain_ddp.registry.registration import Registration, decided_already, register_best
-from raytrain_ddp.worker.backend import ProcessGroupConfig
 from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.loop import train_loop_per_worker
 
@@ -67,7 +65,16 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
             return summary
         timeline.mark("checks")
         plan = planning.make(standing, verbose=verbose, console=console)
-        plan = replace(plan, flops=preflight.check(plan))
+        flops = preflight.check(
+            plan.config,
+            plan.recipe,
+            plan.datasets,
+            example=plan.example,
+            fitted=plan.fitted,
+            train_rows=plan.train_rows,
+            saved_config=plan.resume.saved_config,
+        )
+        plan = replace(plan, flops=flops)
         timeline.mark("pre-flight")
         ui.show_plan(console, plan)
         with lease.Lease(plan.run_path):
@@ -188,17 +195,6 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
     return result
 
 
-class _Trainer(TorchTrainer):
-    """Ray's TorchTrainer without two helper processes its runs would start and not need: the
-    placement-group cleaner (a detached actor that removes the workers' placement group if the
-    controller dies: the driver does that, `capacity.release`), and the dataset manager of a run
-    that gives it no Ray Dataset (what `data.shipped` sends travels with the loop)."""
-
-    def _create_default_callbacks(self) -> list:
-        unneeded = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
-        return [c for c in super()._create_default_callbacks() if not isinstance(c, unneeded)]
-
-
 def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:
     config, shipped = plan.config, data.shipped(plan.datasets)
     recount = [ClusterRecount(config.scaling.resize_check_s)] if config.scaling.elastic else []
@@ -212,13 +208,13 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
         "shipped_datasets": shipped,  # torch Datasets, streams, a materialized Ray Dataset's blocks
         "progress": progress.queue,  # where rank 0 sends its live progress (run.progress_s)
     }
-    return _Trainer(
+    return trainer.trainer_class()(
         # Bound to the loop, not passed as `train_loop_config`: Ray Train keeps that in the run's
         # context, which its controller unpickles before it starts a worker (importing the recipe's
         # modules: torch, transformers) and each worker a second time. The loop itself reaches the
         # workers alone, once, through the object store.
         functools.partial(train_loop_per_worker, loop_config),
-        torch_config=ProcessGroupConfig(),  # Ray's TorchConfig, without torch on the controller
+        torch_config=trainer.torch_config(),  # Ray's TorchConfig, without torch on the controller where it can
         scaling_config=ScalingConfig(
             num_workers=config.scaling.num_workers,  # (min, max): elastic
             elastic_resize_monitor_interval_s=config.scaling.resize_check_s,
@@ -236,7 +232,7 @@ def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer
             ),
             failure_config=FailureConfig(max_failures=config.run.max_failures),
             worker_runtime_env=prestart.worker_runtime_env(config),  # what `prestart.start` matched
-            callbacks=[progress.relay, progress.marks, *recount],
+            callbacks=controller.callbacks([progress.relay], [progress.marks, *recount]),
         ),
         datasets=plan.datasets if shipped is None else None,  # lazy Ray Datasets: Ray Train's Ray Data path
         dataset_config=data.dataset_config(),

@@ -18,13 +18,13 @@ import json
 import logging
 import os
 import time
-from typing import Any
 
 import psutil
 
+from raytrain_ddp.worker.timeline import MARKS, WorkerMarks, strip  # noqa: F401 - the run's whole timeline here
+
 logger = logging.getLogger(__name__)
 
-MARKS = "timeline"  # in a report: {phase: wall time} of rank 0 since its previous report
 
 # The phases, in the order they happen (a resumed or restarted run repeats the worker group's).
 DRIVER_START = ("config", "imports", "checks", "ray", "datasets", "example rows", "pre-flight", "mlflow")
@@ -103,31 +103,3 @@ def mark(phase: str) -> None:
     """Mark the end of a driver phase of the run that has begun (nothing outside a run)."""
     if _driver is not None:
         _driver.mark(phase)
-
-
-class WorkerMarks:
-    """Rank 0's phases, sent with its next report (`pop`); other ranks keep none."""
-
-    def __init__(self, rank: int):
-        self.keep = rank == 0
-        self.pending: dict[str, float] = {}
-        self.seen: set[str] = set()
-
-    def mark(self, phase: str) -> None:
-        if self.keep:
-            self.pending[phase] = time.time()
-
-    def once(self, phase: str) -> None:
-        """Mark `phase` the first time only (the first batch, the first step)."""
-        if self.keep and phase not in self.seen:
-            self.seen.add(phase)
-            self.mark(phase)
-
-    def pop(self) -> dict[str, dict[str, float]]:
-        pending, self.pending = self.pending, {}
-        return {MARKS: pending} if pending else {}
-
-
-def strip(metrics: dict[str, Any]) -> dict[str, Any]:
-    """A report's metrics without rank 0's marks."""
-    return {k: v for k, v in metrics.items() if k != MARKS}

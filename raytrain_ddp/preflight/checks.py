@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 import ray.data
@@ -35,9 +35,6 @@ from raytrain_ddp.worker import flops
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.metrics import reported_metrics
 from raytrain_ddp.worker.optim import batches_per_epoch, optimizer_steps
-
-if TYPE_CHECKING:
-    from raytrain_ddp.driver.plan import Plan
 
 # Keys a resumed run may change: they do not change what is computed, only how long, where, and what
 # is kept or logged. Anything else would be silently overridden by the restored optimizer state or
@@ -102,16 +99,24 @@ def check_compile(config: Config) -> list[str]:
     return []
 
 
-def check(plan: Plan) -> ModelFlops:
+def check(
+    config: Config,
+    recipe: Recipe,
+    datasets: dict[str, Any],
+    *,
+    example: dict[str, torch.Tensor],
+    fitted: Any,
+    train_rows: int,
+    saved_config: Mapping[str, Any] | None,
+) -> ModelFlops:
     """Everything else that can rule the run out without starting a worker, reported at once.
     Returns what a training step of the model costs, found on the way (flops.py)."""
-    config = plan.config
-    checked = check_recipe(config, plan.recipe, plan.example, plan.fitted)
+    checked = check_recipe(config, recipe, example, fitted)
     problems = (
         check_score(config, checked.reported)
-        + check_batches(config, plan.train_rows)
-        + check_steps(config, plan.resume.saved_config, plan.train_rows)
-        + check_resources(config, plan.datasets)
+        + check_batches(config, train_rows)
+        + check_steps(config, saved_config, train_rows)
+        + check_resources(config, datasets)
         + check_labels(config)
         + check_free_now(config)
         + storage.check_shared(config.run.storage_path)

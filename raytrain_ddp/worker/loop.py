@@ -34,16 +34,13 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
-from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
 from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.checkpoint import storage
-from raytrain_ddp.cluster import prestart
 from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, DDPSettings
 from raytrain_ddp.data import datasets as data
-from raytrain_ddp.driver.timeline import WorkerMarks
-from raytrain_ddp.driver.timeline import strip as strip_marks
+from raytrain_ddp.data import seeds
 from raytrain_ddp.worker.early_stopping import EarlyStopping
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.metrics import (
@@ -58,8 +55,11 @@ from raytrain_ddp.worker.metrics import (
 )
 from raytrain_ddp.worker.optim import Accumulation, Updater
 from raytrain_ddp.worker.progress import Beacon
+from raytrain_ddp.worker.timeline import WorkerMarks
+from raytrain_ddp.worker.timeline import strip as strip_marks
 
 logger = logging.getLogger(__name__)
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # Ray Train's setting (session.fit_environment)
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class Worker:
     flops: ModelFlops  # what a training step costs, and this rank's device's peak: for model FLOP/s and MFU
     early_stopping: EarlyStopping  # the score's patience counter: the same on every rank
     beacon: Beacon  # rank 0's live progress, sent to the driver between reports (progress.py)
+    ddp_model: torch.nn.Module  # what trains: `model` in DDP (compiled inside, if asked for)
 
 
 @dataclass(frozen=True)
@@ -99,50 +100,11 @@ class Blocked:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    prestart.threads_as_ray_says()
+    _threads_as_ray_says()
     config = Config.from_dict(loop_config["config"])
-    recipe: Recipe = loop_config["recipe"]
-    worker_data = data.WorkerData(loop_config["shipped_datasets"], config.train, config.data, config.seed)
-    rank, device = worker_data.rank, worker_data.device
-    marks = WorkerMarks(rank)
-    marks.mark("loop")
-    accumulation = Accumulation.on(config, loop_config["train_rows"], worker_data.world_size)
-
-    # 1. Build the same model on every rank, wrap it in DDP (compiled inside, if asked for), then
-    #    optimizer, schedule and precision.
-    torch.manual_seed(config.seed)
-    model = recipe.make_model(config, loop_config["fitted"])
-    ddp_model = wrap_model(model, config.ddp, config.train.compile)
-    updater = Updater(model, config.train, accumulation.steps, device)
-
-    # 2. Resume where the newest checkpoint that verifies left off (to the micro-batch, with every
-    #    rank's random state), or seed this rank's own random stream: for a new run, or from the
-    #    epoch on for a run resumed on another number of workers (at an epoch's end: pre-flight).
-    start, retrained = _resume(model, updater, config, worker_data.world_size)
-    if start is not None and len(start.rng) == worker_data.world_size:
-        ckpt.set_rng_state(start.rng[rank])
-    elif start is not None:
-        _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank, start.epoch))
-    else:
-        start = ckpt.TrainingState(epoch=0, step=0, updater={}, rng=[])
-        _seed_everything(data.derive_seed(config.seed, data.WORKER_RNG, rank))
-    flops = loop_config["flops"].on(device, config.train.precision, rank)
-    worker = Worker(
-        config,
-        recipe,
-        rank,
-        worker_data,
-        model,
-        updater,
-        accumulation,
-        retrained,
-        loop_config["example"],
-        marks,
-        flops,
-        EarlyStopping.of(config, start.early_stopping),
-        Beacon(loop_config["progress"] if rank == 0 else None, config.run.progress_s, worker_data.world_size),
-    )
-    marks.mark("model")
+    worker, start = _build_and_resume(config, loop_config)  # 1. and 2.
+    recipe, worker_data, rank, marks = worker.recipe, worker.data, worker.rank, worker.marks
+    ddp_model, updater, accumulation = worker.ddp_model, worker.updater, worker.accumulation
     if worker.early_stopping.stops:  # restarted after the report that ended the run early: it has ended
         return
     step, blocked, step_count = start.step, Blocked(), None
@@ -198,6 +160,53 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             preemption.wait_for_the_restart()
 
 
+def _build_and_resume(config: Config, loop_config: dict[str, Any]) -> tuple[Worker, ckpt.TrainingState]:
+    recipe: Recipe = loop_config["recipe"]
+    worker_data = data.WorkerData(loop_config["shipped_datasets"], config.train, config.data, config.seed)
+    rank, device = worker_data.rank, worker_data.device
+    marks = WorkerMarks(rank)
+    marks.mark("loop")
+    accumulation = Accumulation.on(config, loop_config["train_rows"], worker_data.world_size)
+
+    # 1. Build the same model on every rank, wrap it in DDP (compiled inside, if asked for), then
+    #    optimizer, schedule and precision.
+    torch.manual_seed(config.seed)
+    model = recipe.make_model(config, loop_config["fitted"])
+    ddp_model = wrap_model(model, config.ddp, config.train.compile)
+    updater = Updater(model, config.train, accumulation.steps, device)
+
+    # 2. Resume where the newest checkpoint that verifies left off (to the micro-batch, with every
+    #    rank's random state), or seed this rank's own random stream: for a new run, or from the
+    #    epoch on for a run resumed on another number of workers (at an epoch's end: pre-flight).
+    start, retrained = _resume(model, updater, config, worker_data.world_size)
+    if start is not None and len(start.rng) == worker_data.world_size:
+        ckpt.set_rng_state(start.rng[rank])
+    elif start is not None:
+        _seed_everything(seeds.derive_seed(config.seed, seeds.WORKER_RNG, rank, start.epoch))
+    else:
+        start = ckpt.TrainingState(epoch=0, step=0, updater={}, rng=[])
+        _seed_everything(seeds.derive_seed(config.seed, seeds.WORKER_RNG, rank))
+    flops = loop_config["flops"].on(device, config.train.precision, rank)
+    worker = Worker(
+        config,
+        recipe,
+        rank,
+        worker_data,
+        model,
+        updater,
+        accumulation,
+        retrained,
+        loop_config["example"],
+        marks,
+        flops,
+        EarlyStopping.of(config, start.early_stopping),
+        Beacon(loop_config["progress"] if rank == 0 else None, config.run.progress_s, worker_data.world_size),
+        ddp_model,
+    )
+    marks.mark("model")
+    return worker, start
+
+
 class CompiledShapes:
     """The batch shapes this process's compiled model has trained on. With static shapes each new one
     compiles a graph (seconds to minutes, in that batch's forward and backward), up to dynamo's
@@ -230,7 +239,7 @@ class PreemptionCheck:
     restart is charged to Ray's max_preemption_failures (unlimited), not to run.max_failures."""
 
     def __init__(self, every: int):
-        watched = os.environ.get(ENABLE_PREEMPTION_WATCHER_ENV_VAR, "1") != "0"
+        watched = os.environ.get(PREEMPTION_WATCHER_ENV, "1") != "0"
         self.every, self.seen = (every if watched else 0), False
 
     def just_now(self, step: int) -> bool:
@@ -650,3 +659,13 @@ def _seed_everything(seed: int) -> None:
 
 def _rows(batch: dict[str, torch.Tensor]) -> int:
     return len(next(iter(batch.values())))
+
+
+def _threads_as_ray_says() -> None:
+    """Torch's threads as Ray sets them for a worker's CPUs (OMP_NUM_THREADS, set as it starts the
+    actor; 1 for half a CPU). A worker started ahead loaded torch before, and OpenMP took its count
+    then, from the whole machine's cores: on 2 cores two such ranks ran 2 threads each, a CNN's
+    epochs 2.5 times as long. The loop calls it first."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))

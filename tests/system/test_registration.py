@@ -101,7 +101,7 @@ def test_if_better_does_not_register_a_worse_run_and_says_why_and_how_to_registe
 def test_equal_scores_the_star_the_best_checkpoint_and_what_ray_keeps_agree(tiny, module_workspace):
     """lr 1e-30 leaves every weight as it was: 3 epochs of one val_mse. Ray Train keeps (num_to_keep=2)
     and ranks best the later of equals; the ★ moves to each tie, and registration takes the last."""
-    from raytrain_ddp.registry.registration import register
+    from raytrain_ddp.driver.registration import register
 
     stuck, out, _ = tiny["stuck"]
     run_dir = Path(stuck.run_path)
@@ -133,7 +133,7 @@ def test_if_better_registers_a_resumed_run_whose_best_improved(tiny):
 def test_never_registers_nothing_and_a_resume_whose_best_is_registered_adds_no_version(ray_session, workspace):
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp.registry.registration import register
+    from raytrain_ddp.driver.registration import register
 
     pinned = ("checkpoint.score_attribute=epoch", "checkpoint.score_order=min", "mlflow.model_name=tiny-pinned")
     never, out = _run(workspace, *pinned, "train.epochs=1", "mlflow.register=never", "run.name=pinned")

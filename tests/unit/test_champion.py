@@ -18,9 +18,9 @@ from torch.utils.data import TensorDataset
 
 from raytrain_ddp import load_config
 from raytrain_ddp.data import datasets as data
+from raytrain_ddp.driver.registration import lineage, service_version
 from raytrain_ddp.registry import tracking
 from raytrain_ddp.registry.champion import Promotion, champion, verdict
-from raytrain_ddp.registry.registration import lineage, service_version
 from raytrain_ddp.registry.tracking import RegisteredModel, Score
 
 TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"

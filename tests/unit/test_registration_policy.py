@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from raytrain_ddp import load_config
+from raytrain_ddp.driver.registration import is_better
 from raytrain_ddp.registry import tracking
-from raytrain_ddp.registry.registration import is_better
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 
