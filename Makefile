@@ -21,13 +21,15 @@ install: $(UV)
 demo: install
 	.venv/bin/raytrain-ddp train digits
 
-# Everything: lint, then both tiers (tests/unit without Ray, tests/system end to end). System
+# Everything: lint, the smoke run on Ray's public API alone (every ray_compat capability off), then
+# both tiers (tests/unit without Ray, tests/system end to end). System
 # packages for the `ray up` test (sshd, rsync) and the compile test (g++) are installed where the
 # machine allows, else named. Two test files at a time (pytest-xdist: two workers, each taking the
 # next file, the longest first: tests/conftest.py): one test's waits on a server, a node or Slurm
 # are the other's working time (22.9-24.8 min on 2 cores, its cores 97 % busy; 26-27 min one at a time).
 test: lint
 	bash tests/system-deps.sh
+	RAYTRAIN_DDP_RAY_INTERNALS=off .venv/bin/pytest -m smoke -p no:cacheprovider -q
 	.venv/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # While developing: the unit tier and one 2-worker run, a few minutes on 2 cores.
