@@ -498,3 +498,28 @@ def _flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+FORMAT_1 = Path(__file__).parents[1] / "fixtures" / "checkpoint-format-1"
+
+
+def test_a_checkpoint_written_before_the_package_layout_resumes_where_it_stopped(ray_session, workspace, monkeypatch):
+    """A run directory written by the service as it was before its modules moved into packages (the
+    tiny job as `./jobs/tiny.py`, 1 of 2 epochs; `weights-after-2-epochs.pt`: that service's own
+    uninterrupted 2 epochs) resumes, trains its second epoch and ends where the old service ended."""
+    from raytrain_ddp import run
+
+    name = "written-before-the-layout"
+    shutil.copytree(FORMAT_1 / name, workspace.storage / name)
+    (workspace.root / "jobs").mkdir()
+    for part in ("tiny.py", "tiny.yaml"):  # the job by name, as the run was started: its saved config says so
+        shutil.copy(Path(TINY).with_name(part), workspace.root / "jobs" / part)
+    monkeypatch.chdir(workspace.root)
+    overrides = workspace.overrides(f"run.name={name}", "train.epochs=2", "mlflow.register=never")
+    summary = run(load_config("tiny", overrides=overrides))
+    assert (summary.resumed.checkpoint, summary.resumed.epoch, summary.epochs) == ("epoch_0001", 1, 2)
+    resumed = _weights(Path(summary.run_path), "epoch_0002")
+    expected = torch.load(FORMAT_1 / "weights-after-2-epochs.pt", weights_only=True)
+    assert resumed.keys() == expected.keys()
+    for key, value in expected.items():  # the same computation; another CPU may round the last bits
+        torch.testing.assert_close(resumed[key], value, rtol=1e-4, atol=1e-6)
