@@ -1,5 +1,5 @@
 """What the driver's preparation for registration costs a DDP run on the same cores, by how the
-preparing thread is scheduled (`tracking.prepare_model_logging`: a one-layer model logged to a
+preparing thread is scheduled (`model_logging.prepare_model_logging`: a one-layer model logged to a
 temporary directory, which loads torch.export and MLflow's model logging, 3-4 CPU-seconds on a small
 machine, while the last epoch trains):
 
@@ -30,15 +30,16 @@ PREPARE = """
 import os, sys, threading, time
 import mlflow, torch  # as in the driver by then
 from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import model_logging
 policy = sys.argv[1]
 print("ready", flush=True)
 sys.stdin.readline()
 if policy == "nice":
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 elif policy == "idle":
-    tracking.yield_the_cpu()
+    model_logging.yield_the_cpu()
 started = time.time()
-tracking.rehearse_model_logging()
+model_logging.rehearse_model_logging()
 print(started, time.time(), flush=True)
 """
 

@@ -265,14 +265,14 @@ def _register(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from raytrain_ddp.registry import tracking
+    from raytrain_ddp.registry import endpoint, model_registry
 
-    uri = tracking.resolve_tracking_uri(args.tracking_uri)
-    if (unreachable := tracking.check_server(uri)) is not None:
+    uri = endpoint.resolve_tracking_uri(args.tracking_uri)
+    if (unreachable := endpoint.check_server(uri)) is not None:
         print(f"error: {unreachable}", file=sys.stderr)
         return 2
     try:
-        was, now = tracking.promote(uri, args.model, args.version)
+        was, now = model_registry.promote(uri, args.model, args.version)
     except LookupError as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2

@@ -44,9 +44,9 @@ import torch
 from ray.train import DataConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
-from raytrain_ddp.data import stream
-from raytrain_ddp.data.seeds import LOADER, SHUFFLE, WORKER_RNG, derive_seed
 from raytrain_ddp.config.schema import DataSettings, TrainSettings
+from raytrain_ddp.data import stream
+from raytrain_ddp.data.seeds import LOADER, SHUFFLE, derive_seed
 
 DATASETS = ("train", "val")
 FITTED = "fitted"  # build_datasets' optional third entry: statistics of the training rows, for build_model

@@ -36,7 +36,7 @@ from raytrain_ddp.data import stream
 from raytrain_ddp.driver import timeline
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.preflight import checks as preflight
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import endpoint, sqlite_store
 from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.optim import Accumulation
@@ -124,7 +124,7 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
     config, origin = standing.config, layering.origin_of(standing.config)
     recipe = origin.recipe
     session.quiet_logs(verbose)  # before the store opens on a thread: MLflow's INFO lines off the console
-    with tracking.opening_store(config.mlflow.tracking_uri):
+    with sqlite_store.opening_store(config.mlflow.tracking_uri):
         if standing.address.note:
             console.print(f"[dim]{standing.address.note}[/]", highlight=False)
         with console.status("Starting Ray…"):
@@ -214,7 +214,7 @@ def _resolve(config: Config, job_name: str) -> Config:
     run_name = config.run.name or f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     run = {"name": run_name, "storage_path": storage.absolute(config.run.storage_path)}
     mlflow = {
-        "tracking_uri": tracking.resolve_tracking_uri(config.mlflow.tracking_uri),
+        "tracking_uri": endpoint.resolve_tracking_uri(config.mlflow.tracking_uri),
         "experiment": config.mlflow.experiment or job_name,
         "model_name": config.mlflow.model_name or job_name,
     }

@@ -41,7 +41,7 @@ from raytrain_ddp.data import datasets as data
 from raytrain_ddp.driver import plan as planning
 from raytrain_ddp.driver.plan import Plan
 from raytrain_ddp.errors import RegistrationFailed
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import endpoint, model_logging, model_registry, records, tracking
 
 Policy = Literal["always", "if_better", "never"]
 NEVER = "not registered (mlflow.register=never)"
@@ -51,14 +51,14 @@ NEVER = "not registered (mlflow.register=never)"
 class Registration:
     checkpoint: str  # the run's best checkpoint (the one registered, if one was): a path, or a URI
     metrics: dict[str, Any]  # reported with it
-    model: tracking.RegisteredModel | None  # None: not registered; `note` says why and how to register it
+    model: records.RegisteredModel | None  # None: not registered; `note` says why and how to register it
     note: str  # what was decided and why, in a line ("" for a plain new version)
     artifacts: list[str]  # the recipe's text artifacts, logged beside the model
 
 
 def register(
     run_path: str, *, tracking_uri: str | None = None, verbose: bool = False, console: Console | None = None
-) -> tracking.RegisteredModel:
+) -> records.RegisteredModel:
     """Register the best checkpoint of a run that finished training but whose model was not
     registered, with the config saved in its checkpoints, into `tracking_uri` (default: the one the
     run used), whatever its `mlflow.register` said. Idempotent: a version this run already registered
@@ -97,7 +97,7 @@ def register_best(
     which better ones were damaged, and mark the MLflow run FINISHED. Raises RegistrationFailed, with
     the command that registers later, if MLflow fails on the way (the MLflow run is then marked FAILED)."""
     config = plan.config
-    if (unreachable := tracking.check_server(config.mlflow.tracking_uri)) is not None:
+    if (unreachable := endpoint.check_server(config.mlflow.tracking_uri)) is not None:
         # Asked once, without retries: each call below would retry for seconds and fail the same way.
         raise RegistrationFailed(_not_registered(plan, unreachable))
     try:
@@ -105,7 +105,7 @@ def register_best(
             registration = _register(plan, checkpoints, run_id, console, policy)
         tracking.finish_run(config, run_id, "FINISHED")
     except Exception as e:
-        if tracking.check_server(config.mlflow.tracking_uri) is None:  # else marking it would fail the same way
+        if endpoint.check_server(config.mlflow.tracking_uri) is None:  # else marking it would fail the same way
             tracking.end_failed_run(config, run_id, "FAILED")
         raise RegistrationFailed(_not_registered(plan, one_line(e))) from e
     return registration
@@ -132,7 +132,7 @@ def decided_already(standing: planning.Standing) -> Registration | None:
     ranked = [checkpoint for checkpoint, _ in _best_first(config, record.best_checkpoints)]
     with ckpt.open_first_verified(ranked) as best:
         metrics = best.verified.metrics()
-        if (model := tracking.registered_version(config, run_id, best.location)) is not None:
+        if (model := model_registry.registered_version(config, run_id, best.location)) is not None:
             return Registration(best.location, metrics, model, "already registered", [])
     if config.mlflow.register == "always":
         return None
@@ -152,9 +152,9 @@ def _decide(config: Config, metrics: dict[str, Any]) -> tuple[bool, str]:
     return is_better(config, _score(config, metrics))
 
 
-def _score(config: Config, metrics: dict[str, Any]) -> tracking.Score:
+def _score(config: Config, metrics: dict[str, Any]) -> records.Score:
     c = config.checkpoint
-    return tracking.Score(c.score_attribute, c.score_order, float(metrics[c.score_attribute]))
+    return records.Score(c.score_attribute, c.score_order, float(metrics[c.score_attribute]))
 
 
 def _register(plan: Plan, checkpoints: Iterable, run_id: str, console: Console, policy: Policy) -> Registration:
@@ -203,7 +203,7 @@ def register_checkpoint(
     `policy` if_better turns down is not registered; neither builds the model."""
     with ckpt.open_first_verified(ranked) as best:
         metrics = best.verified.metrics()
-        if (registered := tracking.registered_version(config, run_id, best.location)) is not None:
+        if (registered := model_registry.registered_version(config, run_id, best.location)) is not None:
             note = "already registered: the run's best checkpoint is the one registered before"
             return Registration(best.location, metrics, registered, note, []), best.skipped
         register, note = _decide(config, metrics) if policy == "if_better" else (True, "")
@@ -217,8 +217,8 @@ def register_checkpoint(
     if recipe.log_model is not None:
         log = partial(recipe.log_model, model)
     else:  # two rows, so the exported model keeps a dynamic batch dimension
-        log = partial(tracking.log_pytorch_model, model, recipe.model_input(example).numpy())
-    registered = tracking.register_model(config, run_id, best.location, _score(config, metrics), log, made_of)
+        log = partial(model_logging.log_pytorch_model, model, recipe.model_input(example).numpy())
+    registered = model_registry.register_model(config, run_id, best.location, _score(config, metrics), log, made_of)
     artifacts = {}
     if recipe.artifacts is not None:
         with torch.no_grad():
@@ -270,13 +270,13 @@ def _code(recipe: Path) -> dict[str, str]:
     return found | {"raytrain_ddp.code_git_commit": commit, "raytrain_ddp.code_git_dirty": dirty}
 
 
-def is_better(config: Config, score: tracking.Score) -> tuple[bool, str]:
+def is_better(config: Config, score: records.Score) -> tuple[bool, str]:
     """mlflow.register=if_better: whether `score` beats the latest version's (strictly: an equal
     score adds nothing), and the reason in a line. A latest version without a score on the same
     metric and order (registered before versions were tagged with it, by hand, or with another
     checkpoint.score_attribute) cannot be compared: the model is registered, since refusing would
     leave the run unregistered over a number that does not exist, and the note says so."""
-    latest = tracking.latest_version(config)
+    latest = model_registry.latest_version(config)
     if latest is None:
         return True, ""  # the model's first version
     mine, theirs = score, latest.score

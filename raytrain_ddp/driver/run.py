@@ -37,7 +37,7 @@ from raytrain_ddp.driver.summary import RunSummary, show
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.preflight import checks as preflight
 from raytrain_ddp.ray_compat import controller, trainer
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import endpoint, model_logging, tracking
 from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.loop import train_loop_per_worker
 
@@ -122,7 +122,7 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     preparing = config.mlflow.register != "never" and plan.recipe.log_model is None
     metrics_log = tracking.MetricsLog(config.mlflow.tracking_uri, run_id)
     progress = ui.LiveProgress(
-        console, plan, timeline.current(), metrics_log.add, tracking.prepare_model_logging if preparing else None
+        console, plan, timeline.current(), metrics_log.add, model_logging.prepare_model_logging if preparing else None
     )
     try:
         with metrics_log:  # every report's metrics in MLflow before it ends
@@ -254,7 +254,7 @@ def _already_finished(standing: planning.Standing, registration: Registration, w
         mlflow_run_id=tracking.find_run(config, standing.run_path),
         artifacts=[],
         tracking_uri=config.mlflow.tracking_uri,
-        ui_command=tracking.ui_command(config.mlflow.tracking_uri),
+        ui_command=endpoint.ui_command(config.mlflow.tracking_uri),
         extend_command=planning.resume_command(config, epochs="N"),
         wall_time_s=wall_time_s,
         resumed=resume,
@@ -281,7 +281,7 @@ def _summarize(plan: Plan, trained: Trained, registration: Registration, run_id:
         mlflow_run_id=run_id,
         artifacts=registration.artifacts,
         tracking_uri=config.mlflow.tracking_uri,
-        ui_command=tracking.ui_command(config.mlflow.tracking_uri),
+        ui_command=endpoint.ui_command(config.mlflow.tracking_uri),
         extend_command=plan.extend_command,
         wall_time_s=wall_time_s,
         resumed=plan.resume,

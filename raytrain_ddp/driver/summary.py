@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from raytrain_ddp.driver.console import is_quality_metric, throughput
 from raytrain_ddp.driver.plan import ResumePoint
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import records
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class RunSummary:
     metrics: dict[str, Any]  # reported with the best checkpoint: the registered model's
     final_metrics: dict[str, Any]  # of the last epoch
     best_checkpoint: str
-    model: tracking.RegisteredModel | None  # None: not registered (mlflow.register); `registration` says why
+    model: records.RegisteredModel | None  # None: not registered (mlflow.register); `registration` says why
     registration: str  # what registration decided and why, with the command that registers anyway; "" = new version
     mlflow_run_id: str
     artifacts: list[str]  # the recipe's text artifacts in the MLflow run

@@ -30,7 +30,7 @@ from raytrain_ddp.cluster import capacity, ray_address, session
 from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, ConfigError, flatten, worker_counts
 from raytrain_ddp.data import stream
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import endpoint
 from raytrain_ddp.worker import flops
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.metrics import reported_metrics
@@ -70,7 +70,7 @@ def check_before_ray(config: Config, run_path: str) -> ray_address.RayAddress:
     train.compile on a machine that cannot compile: seconds, before Ray starts. Returns the Ray to join."""
     lease.check(run_path)
     address = session.ray_address()
-    server = tracking.check_server(config.mlflow.tracking_uri)
+    server = endpoint.check_server(config.mlflow.tracking_uri)
     if problems := check_lasting_paths(config) + check_compile(config) + [p for p in (address.problem, server) if p]:
         raise ConfigError(config.job, problems)
     return address

@@ -21,10 +21,8 @@ import math
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # tracking imports this module; a version is its RegisteredModel
-    from raytrain_ddp.registry.tracking import RegisteredModel, Score
+from raytrain_ddp.registry.records import RegisteredModel, Score
 
 
 @dataclass(frozen=True)

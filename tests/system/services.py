@@ -359,11 +359,9 @@ class MLflowServer:
     def start(self) -> MLflowServer:
         store = self.root / "mlflow.db"
         if not store.exists():  # as the driver makes a new store: MLflow's migrations ran once
-            from raytrain_ddp.registry import (
-                tracking,  # here: it imports torch, which `ray stop` on a test's host needs not
-            )
+            from raytrain_ddp.registry import sqlite_store  # here: torch, which `ray stop` on a test host needs not
 
-            tracking.copy_empty_schema(store)
+            sqlite_store.copy_empty_schema(store)
         # No job runner: MLflow 3 starts eight more processes for its GenAI jobs (~25 CPU-seconds a
         # start on 2 cores), which training never uses.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env}

@@ -1,5 +1,5 @@
 """Two processes registering versions of one model at once, against a real `mlflow server`, through
-`tracking.register_model` as a run does (no Ray): after every round the `champion` alias is where the
+`model_registry.register_model` as a run does (no Ray): after every round the `champion` alias is where the
 rule says for the versions the registry ended up with, whichever got the lower number, and `latest`
 is the newest.
 
@@ -47,7 +47,7 @@ def server(tmp_path_factory):
 
 
 def test_two_runs_registering_at_once_leave_one_consistent_champion(server):
-    from raytrain_ddp.registry import tracking
+    from raytrain_ddp.registry import model_registry, records
 
     client = server.client()
     client.create_experiment("race")
@@ -64,7 +64,7 @@ def test_two_runs_registering_at_once_leave_one_consistent_champion(server):
         for number, (_, _, expected) in enumerate(ROUNDS):
             if number == PROMOTED_BEFORE_ROUND:
                 champion = _version_of(client, f"A-{number - 1}")
-                tracking.promote(server.url, MODEL, champion)
+                model_registry.promote(server.url, MODEL, champion)
             start.wait(timeout=120)
             done.wait(timeout=120)
             mine = {who: _version_of(client, f"{who}-{number}") for who in ("A", "B")}
@@ -73,7 +73,7 @@ def test_two_runs_registering_at_once_leave_one_consistent_champion(server):
             registry = f"round {number}: {_registry(client)}"
             assert _alias(client, "champion") == champion, registry
             assert _alias(client, "latest") == 2 * (number + 1), registry
-            said = client.get_model_version(MODEL, str(champion)).tags.get(tracking.CHAMPION_TAG, "")
+            said = client.get_model_version(MODEL, str(champion)).tags.get(records.CHAMPION_TAG, "")
             assert said.startswith("champion:") or number >= PROMOTED_BEFORE_ROUND and expected is None, registry
     finally:
         for barrier in (start, done, created):
@@ -84,7 +84,7 @@ def test_two_runs_registering_at_once_leave_one_consistent_champion(server):
 
 
 def _version_of(client, checkpoint: str) -> int:
-    from raytrain_ddp.registry.tracking import CHECKPOINT_TAG
+    from raytrain_ddp.registry.records import CHECKPOINT_TAG
 
     [version] = [v for v in client.search_model_versions(f"name = '{MODEL}'") if v.tags[CHECKPOINT_TAG] == checkpoint]
     return int(version.version)
@@ -96,7 +96,7 @@ def _alias(client, alias: str) -> int:
 
 def _registry(client) -> str:
     """Each version's checkpoint, score and how it fared; the aliases."""
-    from raytrain_ddp.registry.tracking import CHAMPION_TAG, CHECKPOINT_TAG, SCORE_TAG
+    from raytrain_ddp.registry.records import CHAMPION_TAG, CHECKPOINT_TAG, SCORE_TAG
 
     versions = sorted(client.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
     said = [f"v{v.version} {v.tags[CHECKPOINT_TAG]} {v.tags[SCORE_TAG]}: {v.tags.get(CHAMPION_TAG)}" for v in versions]
@@ -110,7 +110,7 @@ def _register_rounds(uri: str, who: str, start, done, created) -> None:
     import torch
 
     from raytrain_ddp import load_config
-    from raytrain_ddp.registry import tracking
+    from raytrain_ddp.registry import model_registry, records, tracking
 
     overrides = [
         f"mlflow.tracking_uri={uri}",
@@ -122,21 +122,21 @@ def _register_rounds(uri: str, who: str, start, done, created) -> None:
     run_id = tracking.start_run(config, f"/runs/{who}")
     model, example = torch.nn.Linear(4, 1), np.zeros((2, 4), np.float32)
     if who == "A":
-        read_registry = tracking.read_registry
+        read_registry = model_registry.read_registry
 
         def read_late(client, name):
             found = read_registry(client, name)
             time.sleep(SLOW_READ_S)
             return found
 
-        tracking.read_registry = read_late
+        model_registry.read_registry = read_late
 
     try:
         for number, (scores, staggered, _) in enumerate(ROUNDS):
             log = partial(_log_then_wait, model, example, created, LATER_S if staggered and who == "B" else 0.0)
             metric, order, value = scores[who] if isinstance(scores[who], tuple) else (*BEST, scores[who])
             start.wait(timeout=120)
-            tracking.register_model(config, run_id, f"{who}-{number}", tracking.Score(metric, order, value), log)
+            model_registry.register_model(config, run_id, f"{who}-{number}", records.Score(metric, order, value), log)
             done.wait(timeout=120)
     except BaseException:
         for barrier in (start, done, created):
@@ -146,9 +146,9 @@ def _register_rounds(uri: str, who: str, start, done, created) -> None:
 
 def _log_then_wait(model, example, created, later_s: float, *, name: str):
     """Log the model as a run does, then wait for the other process (and `later_s` more)."""
-    from raytrain_ddp.registry import tracking
+    from raytrain_ddp.registry import model_logging
 
-    info = tracking.log_pytorch_model(model, example, name=name)
+    info = model_logging.log_pytorch_model(model, example, name=name)
     created.wait(timeout=120)
     time.sleep(later_s)
     return info

@@ -14,7 +14,7 @@ import pytest
 from services import REPO, LoopbackCluster, MLflowServer, cli, loopback_cluster
 
 from raytrain_ddp.checkpoint import format as checkpoint
-from raytrain_ddp.registry.tracking import CHECKPOINT_TAG
+from raytrain_ddp.registry.records import CHECKPOINT_TAG
 
 
 @pytest.fixture(scope="module")

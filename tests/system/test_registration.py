@@ -23,7 +23,7 @@ import pytest
 from rich.console import Console
 
 from raytrain_ddp import load_config
-from raytrain_ddp.registry.tracking import CHECKPOINT_TAG, SCORE_ATTRIBUTE_TAG, SCORE_ORDER_TAG, SCORE_TAG
+from raytrain_ddp.registry.records import CHECKPOINT_TAG, SCORE_ATTRIBUTE_TAG, SCORE_ORDER_TAG, SCORE_TAG
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 FLOPS_PER_ROW = 2 * (4 * 16 + 16) * 2 + 2 * 16  # tiny.py's count_flops
@@ -171,7 +171,7 @@ def test_early_stopping_ends_the_run_finished_registers_its_best_and_its_counter
     it trains one epoch more, counting on from the checkpoint's 2 (from 0 it would train 3 more)."""
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp.registry.tracking import STOPPED_EARLY_TAG
+    from raytrain_ddp.registry.records import STOPPED_EARLY_TAG
 
     early = (
         "checkpoint.score_attribute=epoch",

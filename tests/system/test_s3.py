@@ -81,7 +81,7 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
 
     client = mlflow_server.client()
     [version] = client.search_model_versions("name = 'tiny'")
-    from raytrain_ddp.registry.tracking import CHECKPOINT_TAG
+    from raytrain_ddp.registry.records import CHECKPOINT_TAG
 
     assert version.tags[CHECKPOINT_TAG].startswith(f"{storage}/on-s3/epoch_000")
     source = version.tags[CHECKPOINT_TAG].removeprefix(f"s3://{s3.bucket}/")

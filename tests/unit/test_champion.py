@@ -1,6 +1,6 @@
 """The registry's champion and each version's lineage, without Ray: the rule `champion.champion`
 walks, case by case, with the line each version gets; and a version registered through
-`tracking.register_model` into a real MLflow sqlite store, with its lineage tags and the aliases."""
+`model_registry.register_model` into a real MLflow sqlite store, with its lineage tags and the aliases."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from torch.utils.data import TensorDataset
 from raytrain_ddp import load_config
 from raytrain_ddp.data import datasets as data
 from raytrain_ddp.driver.registration import lineage, service_version
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import model_logging, model_registry, records, tracking
 from raytrain_ddp.registry.champion import Promotion, champion, verdict
-from raytrain_ddp.registry.tracking import RegisteredModel, Score
+from raytrain_ddp.registry.records import RegisteredModel, Score
 
 TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"
 
@@ -100,9 +100,9 @@ def test_a_registered_version_carries_its_lineage_and_moves_the_aliases(tmp_path
     rows = TensorDataset(torch.arange(40.0).reshape(10, 4), torch.zeros(10))
     fingerprint = data.fingerprint(rows, len(rows))
     made_of = lineage(config, run_id, fingerprint)
-    log = partial(tracking.log_pytorch_model, torch.nn.Linear(4, 1), np.zeros((2, 4), np.float32))
+    log = partial(model_logging.log_pytorch_model, torch.nn.Linear(4, 1), np.zeros((2, 4), np.float32))
 
-    model = tracking.register_model(config, run_id, "ckpt-1", Score("val_mse", "min", 0.25), log, made_of)
+    model = model_registry.register_model(config, run_id, "ckpt-1", Score("val_mse", "min", 0.25), log, made_of)
 
     client = MlflowClient(uri)
     tags = client.get_model_version("m", "1").tags
@@ -117,13 +117,13 @@ def test_a_registered_version_carries_its_lineage_and_moves_the_aliases(tmp_path
         "raytrain_ddp.ray_version": __import__("ray").__version__,
         "raytrain_ddp.raytrain_ddp_version": "0.1.0",
     }
-    assert tags[tracking.CHECKPOINT_TAG] == "ckpt-1" and tags[tracking.CHAMPION_TAG] == model.champion
+    assert tags[records.CHECKPOINT_TAG] == "ckpt-1" and tags[records.CHAMPION_TAG] == model.champion
     assert fingerprint.endswith("(10 rows, the first 8)")
     assert data.fingerprint(TensorDataset(torch.arange(40.0).reshape(10, 4) + 1, torch.zeros(10)), 10) != fingerprint
     assert model.champion == "champion: no version was champion before it"
     assert int(client.get_model_version_by_alias("m", "champion").version) == 1
 
-    worse = tracking.register_model(config, run_id, "ckpt-2", Score("val_mse", "min", 0.5), log, made_of)
+    worse = model_registry.register_model(config, run_id, "ckpt-2", Score("val_mse", "min", 0.5), log, made_of)
     assert worse.version == 2 and worse.champion == "not champion: val_mse 0.5 is not better than version 1's 0.25"
     assert int(client.get_model_version_by_alias("m", "champion").version) == 1
     assert int(client.get_model_version_by_alias("m", "latest").version) == 2  # MLflow's own: the newest

@@ -64,7 +64,7 @@ def test_jobs_lists_the_flagship(raytrain_ddp, tmp_path):
 def test_promote_refuses_an_unknown_model_or_version_and_moves_the_champion(raytrain_ddp, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp.registry import tracking
+    from raytrain_ddp.registry import model_registry, records
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     nowhere = raytrain_ddp("promote", "m", "1", cwd=tmp_path)  # the default store, ./mlflow.db: none here
@@ -76,12 +76,12 @@ def test_promote_refuses_an_unknown_model_or_version_and_moves_the_champion(rayt
     client.create_registered_model("m")
     for value in ("0.9", "0.95"):
         score = {
-            tracking.SCORE_ATTRIBUTE_TAG: "val_accuracy",
-            tracking.SCORE_ORDER_TAG: "max",
-            tracking.SCORE_TAG: value,
+            records.SCORE_ATTRIBUTE_TAG: "val_accuracy",
+            records.SCORE_ORDER_TAG: "max",
+            records.SCORE_TAG: value,
         }
         client.create_model_version("m", source=str(tmp_path), tags=score)
-    tracking.converge_champion(client, "m")
+    model_registry.converge_champion(client, "m")
     assert int(client.get_model_version_by_alias("m", "champion").version) == 2
 
     unknown = raytrain_ddp("promote", "other", "1", "--tracking-uri", uri, cwd=tmp_path)

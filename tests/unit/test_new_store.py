@@ -1,4 +1,4 @@
-"""A run's first MLflow database is made while Ray starts (`tracking.opening_store`, on a thread, under a
+"""A run's first MLflow database is made while Ray starts (`sqlite_store.opening_store`, on a thread, under a
 hidden name) and put in place only once the run is accepted (`tracking.start_run`): the same database
 MLflow would have made, none left behind by a run refused before, none written over if another driver
 made one meanwhile. It is a copy of an empty one of MLflow's schema, made once in the user's cache."""
@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raytrain_ddp import load_config
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import records, sqlite_store, tracking
 
 TINY = Path(__file__).parents[1] / "jobs" / "tiny.py"
 
@@ -40,7 +40,7 @@ def _files(directory: Path) -> list[str]:
 
 def test_a_new_database_is_made_aside_and_put_in_place_when_the_run_starts(tmp_path):
     config = _config(tmp_path)
-    with tracking.opening_store(config.mlflow.tracking_uri):
+    with sqlite_store.opening_store(config.mlflow.tracking_uri):
         pass
     [hidden] = _files(tmp_path)
     assert hidden.startswith(".mlflow.db.") and hidden.endswith(".new")  # made, not yet the store
@@ -49,7 +49,7 @@ def test_a_new_database_is_made_aside_and_put_in_place_when_the_run_starts(tmp_p
 
     assert _files(tmp_path) == ["mlflow.db"]
     client = MlflowClient(config.mlflow.tracking_uri)
-    assert client.get_run(run_id).data.tags[tracking.RUN_NAME_TAG] == "r"
+    assert client.get_run(run_id).data.tags[records.RUN_NAME_TAG] == "r"
     (tmp_path / "direct").mkdir()
     direct = MlflowClient(f"sqlite:///{tmp_path / 'direct' / 'mlflow.db'}")  # as MLflow makes one itself
     assert client.get_experiment("0").artifact_location == direct.get_experiment("0").artifact_location
@@ -57,14 +57,14 @@ def test_a_new_database_is_made_aside_and_put_in_place_when_the_run_starts(tmp_p
 
 def test_a_run_refused_while_the_store_opens_leaves_no_database(tmp_path):
     config = _config(tmp_path)
-    with pytest.raises(RuntimeError, match="refused"), tracking.opening_store(config.mlflow.tracking_uri):
+    with pytest.raises(RuntimeError, match="refused"), sqlite_store.opening_store(config.mlflow.tracking_uri):
         raise RuntimeError("refused")
     assert _files(tmp_path) == []
 
 
 def test_a_database_another_driver_made_meanwhile_is_kept(tmp_path):
     config = _config(tmp_path)
-    with tracking.opening_store(config.mlflow.tracking_uri):
+    with sqlite_store.opening_store(config.mlflow.tracking_uri):
         pass
     theirs = MlflowClient(config.mlflow.tracking_uri)
     their_experiment = theirs.create_experiment("theirs")
@@ -80,7 +80,9 @@ def test_a_process_that_ends_before_its_run_starts_leaves_no_database(tmp_path):
     script = f"""
 import json, os
 from raytrain_ddp.registry import tracking
-with tracking.opening_store({uri!r}):
+from raytrain_ddp.registry import records
+from raytrain_ddp.registry import sqlite_store
+with sqlite_store.opening_store({uri!r}):
     pass
 print(json.dumps(os.listdir({str(tmp_path)!r})))
 """
@@ -134,7 +136,7 @@ def _made_store(directory: Path) -> MlflowClient:
     """A run's new store in `directory`, as the driver makes it (opened aside, put in place)."""
     directory.mkdir()
     config = _config(directory)
-    with tracking.opening_store(config.mlflow.tracking_uri):
+    with sqlite_store.opening_store(config.mlflow.tracking_uri):
         pass
     tracking.start_run(config, str(directory / "runs" / "r"))
     return MlflowClient(config.mlflow.tracking_uri)
@@ -184,7 +186,7 @@ def test_without_a_cache_mlflow_makes_the_store_itself(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
     config = _config(tmp_path)
 
-    with tracking.opening_store(config.mlflow.tracking_uri):
+    with sqlite_store.opening_store(config.mlflow.tracking_uri):
         pass
 
     [hidden] = set(_files(tmp_path)) - {"not-a-directory"}
@@ -207,9 +209,11 @@ import logging
 import raytrain_ddp.cli, raytrain_ddp.driver.run
 from raytrain_ddp.cluster import session
 from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import records
+from raytrain_ddp.registry import sqlite_store
 before = "mlflow" in sys.modules
 session.quiet_logs(verbose=False)  # as plan.make does, before the store's thread starts
-with tracking.opening_store("sqlite:///{tmp_path / name}"):
+with sqlite_store.opening_store("sqlite:///{tmp_path / name}"):
     pass
 quiet = all(logging.getLogger(n).getEffectiveLevel() >= logging.ERROR for n in ("mlflow", "alembic"))
 print(json.dumps([before, "mlflow.tracking" in sys.modules, quiet]))

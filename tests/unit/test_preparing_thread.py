@@ -13,14 +13,14 @@ import subprocess
 import sys
 import threading
 
-from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import model_logging
 
 
 def test_a_thread_that_yields_the_cpu_runs_under_sched_idle_and_the_callers_thread_does_not():
     seen = {}
 
     def prepare() -> None:
-        tracking.yield_the_cpu()
+        model_logging.yield_the_cpu()
         seen["policy"] = os.sched_getscheduler(threading.get_native_id())
 
     thread = threading.Thread(target=prepare)
@@ -34,14 +34,15 @@ LOG_AFTER_REHEARSAL = """
 import json, sys
 import numpy as np, torch
 from raytrain_ddp.registry import tracking
+from raytrain_ddp.registry import model_logging
 from mlflow.tracking import MlflowClient
-tracking.rehearse_model_logging()
+model_logging.rehearse_model_logging()
 uri = "sqlite:///mlflow.db"
 run_id = MlflowClient(uri).create_run("0").info.run_id
 before = set(sys.modules)
-with tracking._active_run(uri, run_id):
+with tracking.active_run(uri, run_id):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    tracking.log_pytorch_model(model, np.zeros((2, 4), dtype=np.float32), name="model")
+    model_logging.log_pytorch_model(model, np.zeros((2, 4), dtype=np.float32), name="model")
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
 

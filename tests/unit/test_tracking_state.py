@@ -23,7 +23,7 @@ def test_the_callers_tracking_uri_is_put_back_as_it_was(tmp_path, monkeypatch, c
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("e")).info.run_id
     try:
-        with tracking._active_run(uri, run_id):
+        with tracking.active_run(uri, run_id):
             assert mlflow.get_tracking_uri() == uri and mlflow.active_run().info.run_id == run_id
         assert os.environ.get("MLFLOW_TRACKING_URI") == caller
         assert mlflow.active_run() is None
