@@ -120,6 +120,7 @@ def resume_times(root: Path, rows: int, rounds: int) -> dict:
 
     from raytrain_ddp.config.schema import DataSettings
     from raytrain_ddp.data import stream
+    from raytrain_ddp.data.pipeline import Pipeline
 
     rng = np.random.default_rng(0)
     root.mkdir(parents=True)
@@ -131,9 +132,7 @@ def resume_times(root: Path, rows: int, rounds: int) -> dict:
             pa.table({"features": features, "label": rng.integers(0, 10, n)}), root / f"part-{k:03d}.parquet"
         )
     table = stream.Parquet(str(root), columns=("features", "label")).listed(max_bad_files=0)
-    pipeline = stream.Pipeline(
-        table, 0, 2, seed=0, batch_size=256, data=DataSettings(), shuffle=True, shuffle_rows=1024
-    )
+    pipeline = Pipeline(table, 0, 2, seed=0, batch_size=256, data=DataSettings(), shuffle=True, shuffle_rows=1024)
     batches = rows // 2 // 256
     at = int(batches * 0.9)
     times = {"stream": [], "replay": []}

@@ -87,8 +87,7 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The logits, or with `targets` the mean next-token loss: computed here, as nanoGPT does, so
         that torch.compile fuses the fp32 upcast of 16k x 50k logits into the loss and its backward
-        (outside the graph, eager, the loss took 10.7 of a step's 39.5 ms of GPU time on an H200, and
-        the step was 19 % longer: bench/README.md, One H200)."""
+        (outside the graph, eager, the loss is a large share of a step's GPU time)."""
         x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
@@ -177,7 +176,7 @@ def make_data(
 
 def rank_rows(rows: int, rank: int, world: int) -> np.ndarray:
     """The row indices rank `rank` trains on, in order: its share, as raytrain_ddp's in-memory path
-    (`stream.share`) gives it when nothing is shuffled."""
+    (`raytrain_ddp.data.epoch.share`) gives it when nothing is shuffled."""
     n = rows // world
     return np.arange(rank * n, (rank + 1) * n)
 

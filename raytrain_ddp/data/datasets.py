@@ -45,15 +45,15 @@ from ray.train import DataConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
 from raytrain_ddp.config.schema import DataSettings, TrainSettings
-from raytrain_ddp.data import stream
+from raytrain_ddp.data import pipeline, stream
 from raytrain_ddp.data.seeds import LOADER, SHUFFLE, derive_seed
 
 DATASETS = ("train", "val")
 FITTED = "fitted"  # build_datasets' optional third entry: statistics of the training rows, for build_model
 # Rows a worker takes from Ray Data at a time (at least one batch), then cuts into training batches on
 # the device: Ray Data's iterator threads cost about the same per batch whatever its size, and on a
-# 2-core machine they took CPU from training (README: Benchmarks). A local shuffle buffer smaller than
-# this is rounded up to it.
+# machine of few cores they take CPU from training. A local shuffle buffer smaller than this is rounded
+# up to it.
 FETCH_ROWS = 512
 
 
@@ -240,7 +240,7 @@ class WorkerData:
         elif is_stream(shipped):
             share = {"rank": self.rank, "world_size": self.world_size, "seed": seed, "data": data}
             self.streams = {
-                "train": stream.Pipeline(
+                "train": pipeline.Pipeline(
                     shipped["train"],
                     batch_size=train.batch_size,
                     shuffle=train.shuffle,
@@ -248,7 +248,7 @@ class WorkerData:
                     drop_last=train.drop_last,
                     **share,
                 ),
-                "val": stream.Pipeline(shipped["val"], batch_size=train.eval_batch_size, equal=False, **share),
+                "val": pipeline.Pipeline(shipped["val"], batch_size=train.eval_batch_size, equal=False, **share),
             }
         else:
             self.loaders = self._loaders(shipped)

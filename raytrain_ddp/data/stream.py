@@ -52,9 +52,8 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -62,7 +61,6 @@ from typing import Any, Literal
 import numpy as np
 
 from raytrain_ddp.checkpoint import storage
-from raytrain_ddp.data.seeds import FILE_ORDER, SHUFFLE, derive_seed
 from raytrain_ddp.ray_compat import data as ray_compat
 
 logger = logging.getLogger(__name__)
@@ -70,7 +68,6 @@ logger = logging.getLogger(__name__)
 Row = dict[str, np.ndarray]
 Transform = Callable[[Row, np.random.Generator], Row]
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-POSITION = "_position"  # a read row's place in its rank's share, dropped before training
 LISTING_THREADS = 16  # Parquet footers read at once when listing (each a request on S3)
 
 
@@ -136,14 +133,14 @@ class Stream:
         m = self.manifest
         rows: list[Row] = []
         for i, path in enumerate(m.files):
-            if (have := sum(_length(r) for r in rows)) >= n:
+            if (have := sum(length(r) for r in rows)) >= n:
                 break
             want = min(n - have, int(m.rows[i]))
             if want == 0:  # an empty block
                 continue
             label = int(m.labels[i]) if m.labels is not None else -1
             rows.append(self.transformed(self.read(path, 0, want, label), seed, 0, int(m.first_row[i])))
-        return _concatenate(rows)
+        return concatenate(rows)
 
     def transformed(self, rows: Row, seed: int, epoch: int, first_row: int) -> Row:
         """`rows` (consecutive, the first with id `first_row`) through `transform`, each with its own generator."""
@@ -151,7 +148,7 @@ class Stream:
             return rows
         out = [
             self.transform({name: column[i] for name, column in rows.items()}, row_rng(seed, epoch, first_row + i))
-            for i in range(_length(rows))
+            for i in range(length(rows))
         ]
         return {name: np.stack([row[name] for row in out]) for name in out[0]} if out else rows
 
@@ -230,13 +227,13 @@ class Parquet(Stream):
         fs, root = _filesystem(self.path)
         rows: list[Row] = []
         for path in _files_under(fs, root, (".parquet",)):
-            if (got := sum(_length(r) for r in rows)) >= n:
+            if (got := sum(length(r) for r in rows)) >= n:
                 break
             try:
                 rows.append(self.read(_uri(self.path, root, path), 0, n - got, -1))
             except BadFile:  # listing the files names it, and data.max_bad_files decides
                 continue
-        return _concatenate(rows)
+        return concatenate(rows)
 
     def _rows(self, fs, path: str) -> tuple[int | None, str | None]:
         """A file's rows from its footer, or why it cannot be used."""
@@ -274,7 +271,7 @@ class Blocks(Stream):
     """A materialized Ray Dataset, read as a stream whose "files" are its blocks, already in the object
     store: each rank plans its share as for files and reads those rows itself (`ray.get` of the block,
     zero-copy where the block is on its node). No Ray Data execution, no split coordinator, no dataset
-    manager: on 2 cores those processes cost a run ~1.5 s of its start (bench/README.md). `of` lists the
+    manager: on a small machine those processes cost a run seconds of its start. `of` lists the
     blocks from the dataset's own metadata; the driver holds the dataset, so the blocks live as long as
     the run."""
 
@@ -319,266 +316,6 @@ class Blocks(Stream):
 def row_rng(seed: int, epoch: int, row: int) -> np.random.Generator:
     """The generator a row's transform draws from in an epoch."""
     return np.random.default_rng((seed, epoch, row))
-
-
-# The epoch's plan: which rows each rank trains, in which order. Pure functions of their arguments.
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows [start, stop) of one file, the first of them at `position` in a rank's share."""
-
-    path: str
-    label: int
-    start: int
-    stop: int
-    position: int
-    first_row: int  # the row id of the file's row `start`
-
-
-def file_order(files: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The order the files are read in an epoch."""
-    if not shuffle:
-        return np.arange(files)
-    return np.random.default_rng(derive_seed(seed, FILE_ORDER, epoch)).permutation(files)
-
-
-def share(total: int, world_size: int, rank: int, equal: bool) -> tuple[int, int]:
-    """Rank `rank`'s rows [first, end) of an epoch's sequence: equal shares (training: the last
-    total % world_size rows are left out), or contiguous ranges that cover every row (validation)."""
-    if equal:
-        n = total // world_size
-        return rank * n, (rank + 1) * n
-    return total * rank // world_size, total * (rank + 1) // world_size
-
-
-def pieces(manifest: Manifest, order: np.ndarray, first: int, end: int, origin: int, most: int) -> list[Piece]:
-    """The pieces of files, of at most `most` rows, that hold rows [first, end) of the sequence `order`
-    makes, their positions counted from `origin` (the share's first row)."""
-    rows, first_row = manifest.rows[order], manifest.first_row
-    ends = np.cumsum(rows)
-    starts = ends - rows
-    found = []
-    for k in range(int(np.searchsorted(ends, first, side="right")), len(order)):
-        if starts[k] >= end:
-            break
-        i = int(order[k])
-        lo, hi = max(first, int(starts[k])) - int(starts[k]), min(end, int(ends[k])) - int(starts[k])
-        label = int(manifest.labels[i]) if manifest.labels is not None else -1
-        for a in range(lo, hi, most):  # a long file in pieces of at most `most` rows
-            b = min(hi, a + most)
-            found.append(Piece(manifest.files[i], label, a, b, int(starts[k]) + a - origin, int(first_row[i]) + a))
-    return found
-
-
-def window_rows(batch_size: int, shuffle_rows: int, shuffle: bool) -> int:
-    """Rows shuffled together in a share: whole batches; one batch where nothing is shuffled."""
-    if not shuffle:
-        return batch_size
-    return batch_size * max(1, math.ceil(shuffle_rows / batch_size))
-
-
-def window_order(rows: int, seed: int, epoch: int, rank: int, window: int, shuffle: bool) -> np.ndarray:
-    if not shuffle:
-        return np.arange(rows)
-    return np.random.default_rng(derive_seed(seed, SHUFFLE, epoch, rank, window)).permutation(rows)
-
-
-# Reading: on the workers (the pipeline) and in Ray Data's tasks (`read_pieces`).
-
-
-def read_pieces(batch: dict[str, np.ndarray], stream: Stream, seed: int, epoch: int, skip_bad: bool) -> Row:
-    """A Ray Data task: read a batch of pieces, transform their rows, and number them by position. An
-    unreadable file raises BadFile, or, with `skip_bad`, is left out (its positions stay empty: the
-    rank notices, and counts it)."""
-    read: list[Row] = []
-    for path, label, start, stop, position, first_row in zip(
-        batch["path"], batch["label"], batch["start"], batch["stop"], batch["position"], batch["first_row"]
-    ):
-        try:
-            rows = stream.read(str(path), int(start), int(stop), int(label))
-        except BadFile as e:
-            if not skip_bad:
-                raise BadFile(f"{e}; remove it or set data.max_bad_files") from None
-            logger.warning("skipped: %s", e)
-            continue
-        rows = stream.transformed(rows, seed, epoch, int(first_row))
-        rows[POSITION] = np.arange(int(position), int(position) + int(stop) - int(start), dtype=np.int64)
-        read.append(rows)
-    return _concatenate(read) if read else {POSITION: np.zeros(0, dtype=np.int64)}
-
-
-@dataclass(frozen=True)
-class EpochPlan:
-    """What a rank reads of an epoch: `pieces`, from row `skip` of its share of `rows` rows, shuffled
-    (or not) in windows of `window` rows; its batches from `first_batch` on."""
-
-    epoch: int
-    first_batch: int
-    pieces: list[Piece]
-    skip: int
-    rows: int
-    window: int
-    shuffled: bool
-
-
-@dataclass
-class Pipeline:
-    """One rank's batches of a stream, read by its own Ray Data pipeline: training (`equal` shares,
-    shuffled as `shuffle` says) or validation (contiguous ranges, in file order)."""
-
-    stream: Stream
-    rank: int
-    world_size: int
-    seed: int
-    batch_size: int
-    data: Any  # config.DataSettings
-    shuffle: bool = False
-    shuffle_rows: int = 1
-    drop_last: bool = False
-    equal: bool = True
-    bad_files: set[str] = field(default_factory=set)  # of the epoch being read, on this rank
-    rows_read: int = 0  # rows read of the epoch being read, on this rank (from its start or resume point)
-
-    def batches(self, epoch: int, first_batch: int = 0) -> Iterator[Row]:
-        """This rank's batches of `epoch` from batch `first_batch` on, as numpy columns. Reads nothing
-        before the window of `first_batch`."""
-        plan = self.plan(epoch, first_batch)
-        try:
-            yield from self.batched(plan, self._read(plan.pieces, epoch))
-        except BadFile:
-            raise
-        except Exception as e:  # a task's BadFile reaches us as Ray Data's error, its message in the text
-            found = re.search(rf"{BadFile.__module__}\.BadFile: (.+)", str(e))
-            if found is None:
-                raise
-            raise BadFile(found.group(1)) from e
-
-    def plan(self, epoch: int, first_batch: int = 0) -> EpochPlan:
-        m = self.stream.manifest
-        order = file_order(len(m.files), self.seed, epoch, self.shuffle)
-        first, end = share(m.total, self.world_size, self.rank, self.equal)
-        shuffled = self.shuffle and not self.stream.one_row_per_file
-        window = window_rows(self.batch_size, self.shuffle_rows, shuffled)
-        skip = first_batch * self.batch_size // window * window  # rows of the share that are not read at all
-        most = self.data.task_rows if self.stream.read_in_tasks else max(1, m.total)  # a whole block, read here
-        planned = pieces(m, order, first + skip, end, first, most)
-        return EpochPlan(epoch, first_batch, planned, skip, end - first, window, shuffled)
-
-    def batched(self, plan: EpochPlan, blocks: Iterator[Row]) -> Iterator[Row]:
-        """Batches of the rows read for `plan` (blocks in position order, as `read_pieces` makes them)."""
-        size, self.bad_files, self.rows_read = self.batch_size, set(), 0
-        windows = _windows(blocks, plan.skip, plan.rows, plan.window)
-        for w, (origin, rows, positions) in enumerate(windows, start=plan.skip // plan.window):
-            self.rows_read += len(positions)
-            slots = window_order(
-                min(plan.window, plan.rows - origin), self.seed, plan.epoch, self.rank, w, plan.shuffled
-            )
-            index = np.full(len(slots), -1, dtype=np.int64)
-            index[positions - origin] = np.arange(len(positions))
-            for b in range(0, len(slots), size):
-                batch = (origin + b) // size
-                if batch < plan.first_batch:
-                    continue
-                if self.drop_last and b + size > len(slots):
-                    return
-                taken = index[slots[b : b + size]]
-                if (taken < 0).any():  # rows of skipped files
-                    self._missing(plan.pieces, origin + slots[b : b + size][taken < 0])
-                    taken = taken[taken >= 0]
-                    if len(taken) == 0:
-                        where = f"batch {batch} of epoch {plan.epoch + 1} on rank {self.rank}"
-                        raise BadFile(f"every row of {where} was unreadable")
-                yield {name: column[taken] for name, column in rows.items()}
-
-    def _read(self, planned: list[Piece], epoch: int) -> Iterator[Row]:
-        import ray
-        import ray.data
-
-        from raytrain_ddp.ray_compat.prestart import tasks_runtime_env
-
-        if not planned:
-            return iter(())
-        if not self.stream.read_in_tasks:
-            return self._read_here(planned, epoch)
-        d = self.data
-        context = ray.data.DataContext.get_current()
-        context.enable_progress_bars = False
-        context.print_on_execution_start = False
-        options = context.execution_options
-        options.preserve_order = True  # positions arrive in order: a window is whole once a later one starts
-        store = d.object_store_mb * 2**20 if d.object_store_mb else None
-        if store is None:  # Ray Data's default share of the object store, split between the ranks' pipelines
-            store = 0.5 * ray.cluster_resources().get("object_store_memory", 0) / self.world_size or None
-        options.resource_limits = options.resource_limits.copy(cpu=d.cpus, object_store_memory=store)
-        options.label_selector = dict(d.label_selector) or None
-        per_task = max(1, d.task_rows // max(p.stop - p.start for p in planned))  # pieces a task reads
-        items = [vars(p) for p in planned]
-        dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / per_task))
-        read = dataset.map_batches(
-            read_pieces,
-            batch_size=per_task,
-            batch_format="numpy",
-            # The stream without its file list: each task reads only its pieces.
-            fn_kwargs={"stream": replace(self.stream, manifest=None), "seed": self.seed, "epoch": epoch}
-            | {"skip_bad": d.max_bad_files > 0},
-            runtime_env=tasks_runtime_env(),  # not this worker's setup hook: a reading task needs no torch
-        )
-        return read.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
-
-    def _read_here(self, planned: list[Piece], epoch: int) -> Iterator[Row]:
-        """The pieces read by this rank, as a reading task would (`read_pieces`), on a thread a piece
-        ahead of training: on a GPU the next block's fetch and copy overlap the step."""
-
-        def read(piece: Piece) -> Row:
-            return read_pieces({k: [v] for k, v in vars(piece).items()}, self.stream, self.seed, epoch, skip_bad=False)
-
-        with ThreadPoolExecutor(1, thread_name_prefix="blocks") as pool:
-            ahead = pool.submit(read, planned[0])
-            for piece in planned[1:]:
-                current, ahead = ahead, pool.submit(read, piece)
-                yield current.result()
-            yield ahead.result()
-
-    def _missing(self, planned: list[Piece], positions: np.ndarray) -> None:
-        """Name the files of rows that their task left out (unreadable, skipped)."""
-        for position in positions:
-            for piece in planned:
-                if piece.position <= position < piece.position + piece.stop - piece.start:
-                    self.bad_files.add(piece.path)
-                    break
-
-
-def _windows(blocks: Iterator[Row], skip: int, rows: int, window: int) -> Iterator[tuple[int, Row, np.ndarray]]:
-    """Group blocks of rows (in position order) into windows: (window's first position, its rows, their
-    positions). Each block is copied out of the object store as it arrives: Ray Data's numpy batches are
-    views of it, and a window held on views would pin its blocks there (up to a window of them)."""
-    origin, held = skip, []
-    for block in blocks:
-        block = {name: np.array(column) for name, column in block.items()}
-        positions = block[POSITION]
-        if len(positions) == 0:
-            continue
-        while positions[0] >= origin + window:  # the window before this block is whole
-            yield _window(origin, held)
-            origin, held = origin + window, []
-        cut = int(np.searchsorted(positions, origin + window))
-        held.append({k: v[:cut] for k, v in block.items()})
-        rest = {k: v[cut:] for k, v in block.items()}
-        while _length(rest):
-            yield _window(origin, held)
-            origin += window
-            cut = int(np.searchsorted(rest[POSITION], origin + window))
-            held, rest = [{k: v[:cut] for k, v in rest.items()}], {k: v[cut:] for k, v in rest.items()}
-    while origin < rows:
-        yield _window(origin, held)
-        origin, held = origin + window, []
-
-
-def _window(origin: int, held: list[Row]) -> tuple[int, Row, np.ndarray]:
-    rows = _concatenate([h for h in held if _length(h)]) if any(_length(h) for h in held) else {}
-    positions = rows.pop(POSITION, np.zeros(0, dtype=np.int64))
-    return origin, rows, positions
 
 
 # Files and columns.
@@ -638,9 +375,9 @@ def _numpy(column) -> np.ndarray:
     return flat.reshape(len(column), lengths.pop() if lengths else 0)
 
 
-def _length(rows: Row) -> int:
+def length(rows: Row) -> int:
     return len(next(iter(rows.values()))) if rows else 0
 
 
-def _concatenate(parts: list[Row]) -> Row:
+def concatenate(parts: list[Row]) -> Row:
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]} if parts else {}

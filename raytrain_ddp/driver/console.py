@@ -29,10 +29,11 @@ from raytrain_ddp.cluster import capacity
 from raytrain_ddp.cluster.session import ELASTIC_PLACEMENT_WAIT_S
 from raytrain_ddp.controller.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.data import stream
+from raytrain_ddp.driver.progress import Progress
 from raytrain_ddp.driver.timeline import MARKS, Timeline
 from raytrain_ddp.worker.flops import si
 from raytrain_ddp.worker.metrics import GENERATED, STOPPED, STOPPED_EARLY, STORAGE_RETRIED
-from raytrain_ddp.worker.progress import PROGRESS, Progress
+from raytrain_ddp.worker.progress import PROGRESS
 
 if TYPE_CHECKING:
     from raytrain_ddp.driver.plan import Plan

@@ -36,6 +36,8 @@ from raytrain_ddp.data import stream
 from raytrain_ddp.driver import timeline
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.preflight import checks as preflight
+from raytrain_ddp.preflight.recipe_check import where
+from raytrain_ddp.preflight.resume import resume_conflicts
 from raytrain_ddp.registry import endpoint, sqlite_store
 from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.flops import ModelFlops
@@ -110,7 +112,7 @@ def stand(config: Config) -> Standing:
     run_path = config.run.path
     address = preflight.check_before_ray(config, run_path)
     resume = _resume_point(run_path, config)
-    if resume.saved_config is not None and (conflicts := preflight.resume_conflicts(resume.saved_config, config)):
+    if resume.saved_config is not None and (conflicts := resume_conflicts(resume.saved_config, config)):
         raise ConfigError(
             config.job, [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
         )
@@ -229,7 +231,7 @@ def _build_datasets(config: Config, recipe: Recipe) -> tuple[dict[str, Any], Any
     try:
         datasets = recipe.make_datasets(config)
     except Exception as e:  # noqa: BLE001 - whatever the recipe raises, with its own message
-        failed = f"recipe {recipe.name}: {preflight.where(recipe.build_datasets, 'build_datasets', e)} failed"
+        failed = f"recipe {recipe.name}: {where(recipe.build_datasets, 'build_datasets', e)} failed"
         raise ConfigError(config.job, [f"{failed}: {type(e).__name__}: {e}"]) from e
     try:
         datasets, fitted = data.check_datasets(datasets, config.job)

@@ -1,14 +1,12 @@
-"""MLflow: one MLflow run per training run, metrics logged live, the final model registered.
+"""The MLflow run of a training run: created before training (or found again when the run resumes),
+each report's metrics logged as the report reaches the driver (`MetricsLog`), ended as the run ends.
 
-The driver's only module that imports mlflow, and the driver the only process that talks to MLflow
-(neither Ray Train's controller nor the workers import it): it creates the run before training, logs
-each report's metrics as the report reaches it (`MetricsLog`), and registers the best checkpoint's
-model after training, moving the model's `champion` alias as champion.py's rule says
-(`converge_champion`; `promote` by hand).
-
-mlflow is imported where it is first used, not with this module: the command imports the driver's
-modules before Ray starts, and mlflow (1.5 s of imports on 2 cores) comes in on `opening_store`'s
-thread instead, while Ray starts and the driver waits for it.
+MLflow is the driver's alone: neither Ray Train's controller nor the workers import it. The registry's
+other modules: endpoint.py (the tracking URI and its probe), sqlite_store.py (a local store opened while
+Ray starts), model_registry.py (versions and the `champion` alias), model_logging.py (the model logged).
+mlflow is imported where it is first used, not with these modules: the command imports the driver's
+modules before Ray starts, and mlflow (seconds of imports on a small machine) comes in on
+`sqlite_store.opening_store`'s thread instead, while Ray starts and the driver waits for it.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ logger = logging.getLogger(__name__)
 def start_run(config: Config, run_path: str, extra_params: Mapping[str, str] | None = None) -> str:
     """The MLflow run of the training run at `run_path`: created on the first attempt, continued when
     the run resumes. Params are the flattened config and `extra_params` (what the run found out before
-    training: the model's FLOPs); a value changed on resume (train.epochs, say: see preflight.RESUMABLE)
+    training: the model's FLOPs); a value changed on resume (train.epochs, say: see preflight/resume.py's RESUMABLE)
     is kept as a tag, since MLflow params cannot change."""
     from mlflow.entities import Param, RunStatus
 

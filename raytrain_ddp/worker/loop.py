@@ -80,6 +80,7 @@ class Worker:
     early_stopping: EarlyStopping  # the score's patience counter: the same on every rank
     beacon: Beacon  # rank 0's live progress, sent to the driver between reports (progress.py)
     ddp_model: torch.nn.Module  # what trains: `model` in DDP (compiled inside, if asked for)
+    storage_retries: StorageRetries  # rank 0's storage errors retried, until its next report
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,7 @@ def _build_and_resume(config: Config, loop_config: dict[str, Any]) -> tuple[Work
         EarlyStopping.of(config, start.early_stopping),
         Beacon(loop_config["progress"] if rank == 0 else None, config.run.progress_s, worker_data.world_size),
         ddp_model,
+        StorageRetries(),
     )
     marks.mark("model")
     return worker, start
@@ -362,7 +364,7 @@ def evaluate_and_checkpoint(
         )
         name = ckpt.dir_name(at.epoch, at.step, at.batches)
         name = f"{name}-retrained" if name in worker.retrained else name
-        return _save_and_report(metrics, model, state, config, worker.rank, name)
+        return _save_and_report(metrics, model, state, config, worker.rank, name, worker.storage_retries)
 
 
 def wrap_model(model: torch.nn.Module, ddp: DDPSettings, compile: bool = False) -> torch.nn.Module:
@@ -490,7 +492,13 @@ def _report_again(opened: ckpt.Opened) -> None:
 
 
 def _save_and_report(
-    metrics: dict[str, Any], model: torch.nn.Module, state: ckpt.TrainingState, config: Config, rank: int, name: str
+    metrics: dict[str, Any],
+    model: torch.nn.Module,
+    state: ckpt.TrainingState,
+    config: Config,
+    rank: int,
+    name: str,
+    retries: StorageRetries,
 ) -> Blocked | None:
     """Report with rank 0's checkpoint. Returns how long training was blocked, or None when the
     checkpoint could not be written and the run must stop (every rank then reports why).
@@ -513,18 +521,18 @@ def _save_and_report(
         ckpt.save(local, model=model, state=state, config=config.to_dict(), metrics=strip_marks(metrics))
     if config.checkpoint.upload == "async":
         ray.train.report(
-            metrics | _retried(),
+            metrics | retries.pop(),
             checkpoint=None if local is None else ray.train.Checkpoint.from_directory(local),
             checkpoint_dir_name=name,
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             delete_local_checkpoint_after_upload=True,
-            checkpoint_upload_fn=lambda checkpoint, _name: _upload(checkpoint.path, name, config, by_ray=True),
+            checkpoint_upload_fn=lambda checkpoint, _name: _upload(checkpoint.path, name, config, retries, by_ray=True),
         )
         return Blocked(checkpoint_s=time.perf_counter() - started)
     uploaded, failed = None, None
     if local is not None:
         try:
-            uploaded = _upload(local, name, config)
+            uploaded = _upload(local, name, config, retries)
         except OSError as e:
             failed = _upload_failed(name, config, e)
     stops, problem = all_gather(failed)[0] or (False, None)  # rank 0's
@@ -534,7 +542,7 @@ def _save_and_report(
         ray.train.report({**metrics, STOPPED: problem})
         return None
     ray.train.report(
-        metrics | _retried(),
+        metrics | retries.pop(),
         checkpoint=uploaded,
         checkpoint_dir_name=name,
         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,  # on storage already
@@ -542,10 +550,28 @@ def _save_and_report(
     return Blocked(checkpoint_s=time.perf_counter() - started)
 
 
-_storage_retries: queue.SimpleQueue[str] = queue.SimpleQueue()  # retried storage errors, not yet reported
+class StorageRetries:
+    """Rank 0's storage errors retried since its last report, for the console to warn of. A queue:
+    with checkpoint.upload=async, Ray's upload thread notes them while training goes on."""
+
+    def __init__(self):
+        self._noted: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def note(self, name: str, retried: list[str]) -> None:
+        if retried:
+            self._noted.put(f"{name}: {len(retried)} × {retried[-1]}")
+
+    def pop(self) -> dict[str, str]:
+        """The retries noted since the last report, as the report carries them (nothing if none)."""
+        said = []
+        while not self._noted.empty():
+            said.append(self._noted.get())
+        return {STORAGE_RETRIED: f"transient storage errors retried: {'; '.join(said)}"} if said else {}
 
 
-def _upload(local: str, name: str, config: Config, by_ray: bool = False) -> ray.train.Checkpoint:
+def _upload(
+    local: str, name: str, config: Config, retries: StorageRetries, by_ray: bool = False
+) -> ray.train.Checkpoint:
     """Copy the checkpoint written in `local` to the run's directory on storage, as `name`, then
     remove `local`. `by_ray`: the upload is Ray's (async), which removes `local` once it succeeds and
     may call again after a transient error, so `local` stays until then."""
@@ -562,18 +588,8 @@ def _upload(local: str, name: str, config: Config, by_ray: bool = False) -> ray.
     finally:
         if not by_ray:
             shutil.rmtree(local, ignore_errors=True)
-        if retried:
-            _storage_retries.put(f"{name}: {len(retried)} × {retried[-1]}")
+        retries.note(name, retried)
     return ray.train.Checkpoint(where, filesystem=fs)
-
-
-def _retried() -> dict[str, str]:
-    """The storage errors retried since the last report (rank 0's; with checkpoint.upload=async, those
-    of the uploads before this one), for the console to warn of."""
-    said = []
-    while not _storage_retries.empty():
-        said.append(_storage_retries.get())
-    return {STORAGE_RETRIED: f"transient storage errors retried: {'; '.join(said)}"} if said else {}
 
 
 def _upload_failed(name: str, config: Config, error: OSError) -> tuple[bool, str]:
@@ -664,8 +680,8 @@ def _rows(batch: dict[str, torch.Tensor]) -> int:
 def _threads_as_ray_says() -> None:
     """Torch's threads as Ray sets them for a worker's CPUs (OMP_NUM_THREADS, set as it starts the
     actor; 1 for half a CPU). A worker started ahead loaded torch before, and OpenMP took its count
-    then, from the whole machine's cores: on 2 cores two such ranks ran 2 threads each, a CNN's
-    epochs 2.5 times as long. The loop calls it first."""
+    then, from the whole machine's cores: two such ranks on a small machine oversubscribe its cores,
+    and a CNN's epochs take several times as long. The loop calls it first."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
         torch.set_num_threads(int(threads))

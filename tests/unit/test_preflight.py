@@ -12,16 +12,10 @@ import torch
 
 from raytrain_ddp import ConfigError, load_config, with_overrides
 from raytrain_ddp.config import recipe as recipes
-from raytrain_ddp.preflight.checks import (
-    RecipeCheck,
-    RecipeFailed,
-    check_batches,
-    check_compile,
-    check_recipe,
-    check_score,
-    check_steps,
-    resume_conflicts,
-)
+from raytrain_ddp.preflight.batches import check_batches, check_steps
+from raytrain_ddp.preflight.checks import check_compile
+from raytrain_ddp.preflight.recipe_check import RecipeCheck, RecipeFailed, check_recipe, check_score
+from raytrain_ddp.preflight.resume import resume_conflicts
 
 RECIPE = """
 import torch

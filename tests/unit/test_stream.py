@@ -13,6 +13,8 @@ from PIL import Image
 
 from raytrain_ddp.config.schema import DataSettings
 from raytrain_ddp.data import stream
+from raytrain_ddp.data.epoch import EpochPlan
+from raytrain_ddp.data.pipeline import Pipeline, read_pieces
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +38,7 @@ def write_shards(root, sizes: list[int], width: int = 3) -> None:
         start += n
 
 
-def read_locally(pipeline: stream.Pipeline, plan: stream.EpochPlan) -> list[dict[str, np.ndarray]]:
+def read_locally(pipeline: Pipeline, plan: EpochPlan) -> list[dict[str, np.ndarray]]:
     """The blocks Ray Data would hand the rank: `read_pieces` on the plan's pieces, a few at a time."""
     columns = ("path", "label", "start", "stop", "position", "first_row")
     blocks = []
@@ -44,7 +46,7 @@ def read_locally(pipeline: stream.Pipeline, plan: stream.EpochPlan) -> list[dict
         chunk = plan.pieces[i : i + 3]
         batch = {name: np.array([getattr(p, name) for p in chunk]) for name in columns}
         skip = pipeline.data.max_bad_files > 0
-        blocks.append(stream.read_pieces(batch, pipeline.stream, pipeline.seed, plan.epoch, skip))
+        blocks.append(read_pieces(batch, pipeline.stream, pipeline.seed, plan.epoch, skip))
     return blocks
 
 
@@ -52,7 +54,7 @@ def epoch_ids(source: stream.Stream, world: int, epoch: int, first_batch: int = 
     """Each rank's batches of `epoch` as lists of row ids."""
     out = []
     for rank in range(world):
-        pipeline = stream.Pipeline(source, rank, world, seed=7, batch_size=4, data=DataSettings(), **kwargs)
+        pipeline = Pipeline(source, rank, world, seed=7, batch_size=4, data=DataSettings(), **kwargs)
         plan = pipeline.plan(epoch, first_batch)
         out.append([batch["id"].tolist() for batch in pipeline.batched(plan, read_locally(pipeline, plan))])
     return out
@@ -95,7 +97,7 @@ def test_a_resumed_epoch_reads_from_its_window_and_continues_with_the_same_batch
     for first in (1, 2, 3, 4):
         resumed = epoch_ids(shards, 2, epoch=1, first_batch=first, shuffle=True, shuffle_rows=8)
         assert resumed == [batches[first:] for batches in whole]
-    pipeline = stream.Pipeline(shards, 0, 2, seed=7, batch_size=4, data=DataSettings(), shuffle=True, shuffle_rows=8)
+    pipeline = Pipeline(shards, 0, 2, seed=7, batch_size=4, data=DataSettings(), shuffle=True, shuffle_rows=8)
     plan = pipeline.plan(1, first_batch=4)  # batch 4 = rows 16..19 of 20: in the window of rows 16..23
     assert plan.skip == 16 and sum(p.stop - p.start for p in plan.pieces) == 4  # 16 of 20 rows never read
 
@@ -155,10 +157,10 @@ def test_image_folder_labels_by_class_folder_and_decodes_resized(tmp_path):
 def test_a_corrupt_image_stops_the_read_named_or_is_skipped_and_named_with_the_batch_a_row_short(tmp_path):
     write_images(tmp_path, {"a": 6, "b": 6}, corrupt={"b-2"})
     images = stream.ImageFolder(str(tmp_path), mode="L").listed(max_bad_files=0)  # listing does not decode
-    pipeline = stream.Pipeline(images, 0, 1, seed=0, batch_size=4, data=DataSettings(), shuffle=False)
+    pipeline = Pipeline(images, 0, 1, seed=0, batch_size=4, data=DataSettings(), shuffle=False)
     with pytest.raises(stream.BadFile, match=r"b-2\.png: not a readable image .*data\.max_bad_files"):
         read_locally(pipeline, pipeline.plan(0))
-    pipeline = stream.Pipeline(images, 0, 1, seed=0, batch_size=4, data=DataSettings(max_bad_files=1), shuffle=False)
+    pipeline = Pipeline(images, 0, 1, seed=0, batch_size=4, data=DataSettings(max_bad_files=1), shuffle=False)
     plan = pipeline.plan(0)
     batches = list(pipeline.batched(plan, read_locally(pipeline, plan)))
     assert [len(b["label"]) for b in batches] == [4, 4, 3]  # the batch count holds; one row short
