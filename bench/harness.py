@@ -59,9 +59,28 @@ sys.path.insert(0, str(BENCH))
 import torchrun_ddp  # noqa: E402  (the same config reader as side A)
 import workload  # noqa: E402
 
-SIDES = ("A", "B-cold", "B-cold-fresh", "B", "B-fresh", "B-usage", "B-unregistered", "B-async", "B'", "B-quiet")
+# What each of Ray's internals buys (raytrain_ddp/ray_compat): B and B-cold on Ray's public API alone
+# (-public), and without one capability at a time (-no-<capability>).
+INTERNALS = ("prestart", "torch_free_controller", "lean_trainer", "autoscaling_coordinator", "system_config")
+WARM_INTERNALS = ("B-public", *(f"B-no-{name}" for name in INTERNALS if name != "system_config"))
+COLD_INTERNALS = ("B-cold-public", *(f"B-cold-no-{name}" for name in INTERNALS))
+SIDES = (
+    "A",
+    "B-cold",
+    "B-cold-fresh",
+    *COLD_INTERNALS,
+    "B",
+    "B-fresh",
+    "B-usage",
+    "B-unregistered",
+    "B-async",
+    "B'",
+    "B-quiet",
+    *WARM_INTERNALS,
+)
 DEFAULT_SIDES = ("A", "B-cold", "B", "B-async", "B'", "B-quiet")  # the others when asked for
-WARM = ("B", "B-fresh", "B-usage", "B-unregistered", "B-async", "B'", "B-quiet")  # while the harness's Ray is up
+# while the harness's Ray is up
+WARM = ("B", "B-fresh", "B-usage", "B-unregistered", "B-async", "B'", "B-quiet", *WARM_INTERNALS)
 SIDE_OVERRIDES = {
     "B-cold-fresh": ["run.prestart_workers=false"],
     "B-fresh": ["run.prestart_workers=false"],
@@ -70,7 +89,13 @@ SIDE_OVERRIDES = {
     "B-quiet": ["run.progress_s=0"],
     "B-unregistered": ["mlflow.register=never"],
 }
-SIDE_ENV = {"B-usage": {"RAY_DATA_USAGE_DISABLED": "0"}}  # the driver's environment, beyond the harness's
+SIDE_ENV = {  # the driver's environment, beyond the harness's
+    "B-usage": {"RAY_DATA_USAGE_DISABLED": "0"},
+    "B-public": {"RAYTRAIN_DDP_RAY_INTERNALS": "off"},
+    "B-cold-public": {"RAYTRAIN_DDP_RAY_INTERNALS": "off"},
+    **{f"B-no-{name}": {"RAYTRAIN_DDP_RAY_INTERNALS": f"-{name}"} for name in INTERNALS},
+    **{f"B-cold-no-{name}": {"RAYTRAIN_DDP_RAY_INTERNALS": f"-{name}"} for name in INTERNALS},
+}
 SETTLE_S = 30.0  # before each run, the longest wait for idle cores (`_settle`)
 DROP_FIRST_STEPS = 5  # of each epoch: iterator start-up, not the steady state
 # The goals (issue 16), each judged on the worst measured round, so a lucky round cannot make a miss look met.
@@ -101,6 +126,7 @@ class Run:
     threads: list[int] = field(default_factory=list)  # torch intra-op threads per rank
     weights_vs_a: float | None = None  # max |w_B - w_A| over all parameters (B-side runs of a round with A)
     phases: dict[str, float] = field(default_factory=dict)  # B: the run's timeline, phase -> seconds
+    cpu_s: float | None = None  # the machine's busy CPU-seconds from launch to exit (every process's)
     reported_rate: float | None = None  # B: rows (or tokens) per second, as its last report says (samples_per_s)
     reported_mfu: float | None = None  # B: MFU as its last report says (GPU of known peak only)
     log: str = ""
@@ -171,6 +197,12 @@ def write(results: dict, out: Path, name: str) -> str:
     table = markdown(results)
     (out / f"{name}.md").write_text(table)
     return table
+
+
+def _busy_cpu_s() -> float:
+    """The machine's busy CPU time so far, all processes (psutil: user + system + irq...)."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def _device_overrides(gpu: bool, workers: int) -> list[str]:
@@ -278,10 +310,10 @@ class Bench:
         log = directory / "log.txt"
         _settle(self.settle_s)
         with open(log, "w") as out:
-            launched = time.time()
+            busy, launched = _busy_cpu_s(), time.time()
             exit_code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
             exited = time.time()
-        run = Run(side, round_, exit_code, exited - launched, log=str(log))
+        run = Run(side, round_, exit_code, exited - launched, log=str(log), cpu_s=_busy_cpu_s() - busy)
         if exit_code == 0:
             self._read(run, directory, launched, exited)
         print(
@@ -411,8 +443,8 @@ class RayCluster:
 
 def _cluster_up(address: str, env: dict[str, str]) -> bool:
     """`ray status` names an active node: the head's raylet has registered. Its exit status alone
-    is 0 as soon as the GCS answers ("No cluster status" while the node still starts): the warm
-    rounds of a run checked that way began 0.5-4.5 s before their node registered (bench/README.md)."""
+    is 0 as soon as the GCS answers ("No cluster status" while the node still starts): a warm round
+    checked that way would begin seconds before its node registered."""
     done = subprocess.run([_exe("ray"), "status", f"--address={address}"], env=env, capture_output=True, text=True)
     return done.returncode == 0 and re.search(r"Active:\s*\n\s*\d+ node_", done.stdout) is not None
 
@@ -493,6 +525,7 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
             "epoch_s": _spread([e for r in side_runs for e in r.epoch_s]),
             "teardown_s": _spread([r.teardown_s for r in side_runs]),
             "wall_s": _spread([r.wall_s for r in side_runs]),
+            "cpu_s": _spread([r.cpu_s for r in side_runs]),
             "throughput": _spread([bench.throughput(r.step_ms) for r in side_runs]),
             "mfu": _spread([bench.mfu(r.step_ms) for r in side_runs]),
             "reported_throughput": _spread([r.reported_rate for r in side_runs]),
@@ -619,6 +652,7 @@ def markdown(results: dict) -> str:
         ("epoch (train + eval), s", lambda f: _cell(f.get("epoch_s"), ".2f")),
         ("teardown: last step → exit, s", lambda f: _cell(f.get("teardown_s"), ".1f")),
         ("launch → exit, s", lambda f: _cell(f.get("wall_s"), ".1f")),
+        ("CPU-seconds, every process, launch → exit", lambda f: _cell(f.get("cpu_s"), ".1f")),
         (
             "final weights: max abs diff vs A",
             lambda f: "–" if f.get("weights_vs_a") is None else f"{f['weights_vs_a']:.1e}",
@@ -670,6 +704,10 @@ _SIDE_NAMES = {
     "B-fresh": "B, workers not ahead",
     "B-usage": "B, Ray Data usage collection on",
     "B-unregistered": "B, no registration",
+    "B-public": "B, Ray's public API only",
+    "B-cold-public": "B cold, Ray's public API only",
+    **{f"B-no-{name}": f"B without {name}" for name in INTERNALS},
+    **{f"B-cold-no-{name}": f"B cold without {name}" for name in INTERNALS},
 }
 
 

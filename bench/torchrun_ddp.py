@@ -54,8 +54,8 @@ def main() -> None:
     torch.manual_seed(config["seed"])
     model = recipe.build_model(**config["model"]).to(device)
     # As raytrain_ddp.worker.loop.wrap_model: the model compiled inside DDP, so DDP's buckets split the graph;
-    # and as Ray's prepare_model there, no DDP for a single process (on one GPU, compiled GPT-2 stepped
-    # in 44.6 ms inside DDP against 32.9 without: bench/README.md, One H200).
+    # and as Ray's prepare_model there, no DDP for a single process (on one GPU, DDP around a compiled
+    # model only slows its step).
     trained = torch.compile(model, dynamic=False) if train.get("compile") else model
     ddp_model = DistributedDataParallel(trained, device_ids=[device.index] if cuda else None) if world > 1 else trained
     optimizer = build_optimizer(model, train)

@@ -45,8 +45,8 @@ keys (default: meaning):
 
 def entry() -> None:
     """The `raytrain-ddp` command: `main`, then the exit handlers (Ray's, MLflow's, logging's), then out
-    without the interpreter's teardown, which frees torch, MLflow and Ray module by module: 2-3 s of
-    a command whose work is done (the README's Benchmarks: teardown)."""
+    without the interpreter's teardown, which frees torch, MLflow and Ray module by module: seconds of
+    a command whose work is done."""
     try:
         code = main()
     except KeyboardInterrupt:  # where the command has nothing more to say (a recipe importing torch, say)
@@ -158,7 +158,7 @@ def _import_the_run(session: typing.Any) -> typing.Any:
     """`driver.run.run`, imported (torch and Ray, only to train; MLflow comes while Ray starts); None
     where Ctrl-C was pressed meanwhile. Ctrl-C while loading is noted, and acted on once the imports end
     (a few seconds): raised inside them, it can land in the import machinery's callback of a lock,
-    where Python prints it and drops it, and the command went on to train (seen in CI)."""
+    where Python prints it and drops it, and the command would go on to train."""
     pressed: list[int] = []
 
     def note(signum: int, _frame: object) -> None:

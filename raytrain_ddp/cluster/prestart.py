@@ -3,7 +3,7 @@ the driver still prepares the run.
 
 A Ray Train worker is a new Python process that imports Ray, torch, Ray Train's worker and, as DDP
 wraps the model, torch's compiler stack (`DistributedDataParallel.__init__` reads `torch._dynamo`'s
-config): ~4 CPU-seconds each, all of it after the controller asks for the worker. Ray Train's
+config): seconds of CPU each, all of it after the controller asks for the worker. Ray Train's
 controller is a new process too, started as fit() begins. Ray gives a new actor an idle worker
 process of the same runtime environment if it has one; Ray Train's controller and workers carry one
 (the environment variables Ray Train passes on), so the processes Ray starts for a first driver never
@@ -12,7 +12,7 @@ environments: the workers' as soon as it has joined Ray (`start`), each loading 
 starts (`worker.setup.preload`, run by Ray as the workers' setup hook, `worker_runtime_env`); the controller's
 (and its synchronization actor's) once the datasets are built (`start_controller`). Ray Train's
 controller and workers are then these processes, started while the driver built the datasets and
-checked the recipe (bench/README.md).
+checked the recipe (docs/ray-versions.md: what it buys).
 
 The workers only where it is sure to pay: where Ray has no choice of their nodes (one node has room
 for them, or the nodes' rooms add up to exactly the run's workers, as a cluster sized for the run:

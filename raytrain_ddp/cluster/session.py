@@ -39,19 +39,19 @@ MLFLOW_LOG_LEVEL_ENV = "MLFLOW_LOGGING_LEVEL"  # read by mlflow as it is importe
 # How many times ray.init tries to reach a cluster's GCS, about a second apart (ray/_private/node.py).
 GCS_ATTEMPTS_ENV = "RAY_gcs_server_port_wait_time_s"
 # A Ray of its own (it ends with the command) starts without the dashboard: its nine module processes
-# cost a 2-core machine ~2 s of the start, and each wakes the cores a hundred times a second while the
+# cost a small machine seconds of the start, and each wakes the cores a hundred times a second while the
 # ranks train. For the dashboard: `ray start --head`, then RAY_ADDRESS=auto. Nor does it start idle
 # workers for its first driver: Ray Train's actors cannot use them (they carry a runtime environment),
-# and a Ray Data task starts one when it needs it (~0.4 s of a cold start on 2 cores). And a worker
+# and a Ray Data task starts one when it needs it. And a worker
 # process left idle is kept for a minute, not Ray's second: where a node runs more processes than it has
 # CPUs (Ray Train's actors alone outnumber a small node's CPUs), Ray ends the idle ones past that second,
-# so each epoch of a lazy Ray Dataset started its Ray Data tasks' processes anew (on 2 cores, a tiny
-# lazy dataset's epoch took 6.2-6.9 s, 0.8-1.0 s with its processes kept).
+# so each epoch of a lazy Ray Dataset would start its Ray Data tasks' processes anew (several times the
+# epoch's own time for a small dataset). Both are ray_compat's `system_config`.
 OWN_RAY = {"include_dashboard": False, **ray_compat.own_ray_options()}
 # Ray Data's usage collection (new in Ray 2.60), on in a driver that joins a cluster unless Ray's usage
 # stats are off there (a Ray that ray.init starts turns them off in the process): each process that
 # executes a dataset starts a thread polling the cluster's metrics, and the first creates a detached
-# actor, one more process (1.3 CPU-seconds, measured) started beside the run's first step. It feeds
+# actor, one more process started beside the run's first step. It feeds
 # only Ray's usage report; Ray's own usage stats setting is left as it is.
 DATA_USAGE_OFF_ENV = "RAY_DATA_USAGE_DISABLED"
 # MLflow's HTTP client retries a failed call for about four minutes by default; a tracking server that
@@ -178,8 +178,8 @@ def _init(address: RayAddress, verbose: bool) -> None:
 def leave() -> None:
     """Leave Ray, stopping the local one this process started. Its autoscaler monitor is killed first,
     at once: asked to stop, it first reports its own death to the Ray going down around it, and that
-    used up the one second Ray's shutdown gives each process (1.0 of the 1.3 s the shutdown took,
-    measured; 0.3-0.6 s now). It holds nothing that its end could lose.
+    used up most of the second Ray's shutdown gives each process. It holds nothing that its end could
+    lose.
 
     Nothing is garbage-collected while Ray shuts down: a cycle freed then that holds a reference to a
     Ray object makes Ray's core worker end the process with status 1 ("The core worker has already

@@ -118,7 +118,7 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     tracebacks (printed too, `verbose`) and the command that resumes."""
     config = plan.config
     # Once the ranks train, the driver loads what registering the model will take, at the lowest
-    # priority: not while Ray Train starts, which is the cores' work on a small machine (bench/README.md).
+    # priority: not while Ray Train starts, which is the cores' work on a small machine.
     preparing = config.mlflow.register != "never" and plan.recipe.log_model is None
     metrics_log = tracking.MetricsLog(config.mlflow.tracking_uri, run_id)
     progress = ui.LiveProgress(

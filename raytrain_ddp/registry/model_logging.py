@@ -30,7 +30,7 @@ def prepare_model_logging() -> None:
     driver would otherwise wait for after training. Started once the ranks train (the driver's first
     progress or report from rank 0), not as Ray Train starts: on a small machine the start is the
     cores' work, and where the driver joined a cluster of another session the lowest priority below
-    does not yield to it (bench/README.md measured 1 s of the first step). At the lowest CPU priority
+    does not yield to it (it delayed the first step). At the lowest CPU priority
     (`yield_the_cpu`): what the steps leave of the cores, within the driver's session."""
     global _preparing
 
@@ -49,7 +49,7 @@ def prepare_model_logging() -> None:
 def rehearse_model_logging() -> None:
     """Log a one-layer model as `log_pytorch_model` does, to a temporary directory instead of the run,
     and resolve the tags MLflow gives a logged model: what is done once per process is then done. That
-    is torch.export's compiler stack (2-3 s of imports on a small machine), MLflow's model flavors,
+    is torch.export's compiler stack (seconds of imports on a small machine), MLflow's model flavors,
     its check of the pip requirements against the installed packages (it maps every installed
     package's modules: 0.6 s), and its context tags (git's commit through GitPython, whether this is
     a notebook through IPython)."""

@@ -103,7 +103,7 @@ def _schema_file() -> Path:
 def _empty_schema() -> Path | None:
     """An empty sqlite database of this MLflow's schema, made once per MLflow version in the user's
     cache (`$XDG_CACHE_HOME`, else ~/.cache): MLflow makes a store's schema by running its ~60
-    migrations, 2-6 s on 2 cores, which every new store paid. Made as MLflow's store makes it on an
+    migrations, seconds on a small machine, which every new store paid. Made as MLflow's store makes it on an
     empty database (`_initialize_tables`), then moved into place whole. None where the cache cannot
     be written, or MLflow no longer makes a schema that way."""
     schema = _schema_file()
