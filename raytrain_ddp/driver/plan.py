@@ -4,17 +4,17 @@ read by the rest of the run (the checks, the trainer, registration and the summa
     stand(config):  names and paths: run name, <storage_path>/<name>, tracking URI, MLflow names
                     -> what can be refused before Ray starts (preflight.check_before_ray)
                     -> where the run stands (its newest verified checkpoint), what a resume may not change
-    make(standing): the recipe the config was loaded with
-                    -> Ray: the recipe's datasets, two validation rows
-                    -> the commands that resume the run, and train it longer
+    then prepare.py's `make(standing)`: Ray joined, the recipe's datasets built, two validation rows:
+                    the Plan, with the commands that resume the run and train it longer
     (then preflight.check adds what a training step costs: `flops`)
+
+Values only: the functions here read the config and the run's record, and start nothing.
 
 A finished run is known from its `Standing`, before Ray starts (`Standing.finished`).
 """
 
 from __future__ import annotations
 
-import functools
 import secrets
 import shlex
 import time
@@ -23,22 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 
 from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.checkpoint import storage
-from raytrain_ddp.cluster import prestart, ray_address, session
+from raytrain_ddp.cluster import ray_address
 from raytrain_ddp.config import layering
 from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, ConfigError
-from raytrain_ddp.data import datasets as data
-from raytrain_ddp.data import stream
-from raytrain_ddp.driver import timeline
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.preflight import checks as preflight
-from raytrain_ddp.preflight.recipe_check import where
 from raytrain_ddp.preflight.resume import resume_conflicts
-from raytrain_ddp.registry import endpoint, sqlite_store
+from raytrain_ddp.registry import endpoint
 from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.optim import Accumulation
@@ -119,56 +114,6 @@ def stand(config: Config) -> Standing:
     return Standing(config, run_path, resume, address, named)
 
 
-def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
-    """The plan of the run that `standing` found: Ray joined or started, the recipe imported and its
-    datasets built. Raises ConfigError for a recipe that breaks the contract or cannot build its
-    datasets, or a RAY_ADDRESS that answers but not as a Ray cluster."""
-    config, origin = standing.config, layering.origin_of(standing.config)
-    recipe = origin.recipe
-    session.quiet_logs(verbose)  # before the store opens on a thread: MLflow's INFO lines off the console
-    with sqlite_store.opening_store(config.mlflow.tracking_uri):
-        if standing.address.note:
-            console.print(f"[dim]{standing.address.note}[/]", highlight=False)
-        with console.status("Starting Ray…"):
-            _connect(config, standing.address, verbose)
-        timeline.mark("ray")
-        with console.status("Building datasets…"):
-            datasets, fitted = _build_datasets(config, recipe)
-            # The controller's process, now that the workers' have started (prestart.start_controller).
-            prestart.start_controller(config)
-            train_rows = data.num_rows(datasets["train"])
-            timeline.mark("datasets")
-            example = data.example_batch(datasets["val"], config.seed)
-            timeline.mark("example rows")
-    return Plan(
-        config=config,
-        recipe=recipe,
-        run_path=standing.run_path,
-        datasets=datasets,
-        fitted=fitted,
-        train_rows=train_rows,
-        example=example,
-        resume=standing.resume,
-        resume_command=resume_command(config),
-        extend_command=resume_command(config, epochs="N"),
-        named=standing.named,
-    )
-
-
-def _connect(config: Config, address: ray_address.RayAddress, verbose: bool) -> None:
-    try:
-        session.connect(address, verbose, functools.partial(prestart.ahead, config))
-    except ConnectionError as e:  # the port answered, but not as a Ray GCS, or its GCS refused this process
-        raise ConfigError(
-            config.job,
-            [
-                f"RAY_ADDRESS={address.join}: the Ray cluster there could not be joined ({e}). "
-                f"{ray_address.token_hint()}; or the address is not the head's GCS address "
-                f"(host:{ray_address.GCS_PORT} by default); or unset RAY_ADDRESS to start a local Ray"
-            ],
-        ) from None
-
-
 def finished_config(run_path: str, tracking_uri: str | None) -> Config:
     """The config a finished run was trained with, from its newest checkpoint that verifies, with the
     run where it is now (a run directory may have been moved) and, if given, another tracking server.
@@ -223,26 +168,6 @@ def _resolve(config: Config, job_name: str) -> Config:
     return config.model_copy(
         update={"run": config.run.model_copy(update=run), "mlflow": config.mlflow.model_copy(update=mlflow)}
     )
-
-
-def _build_datasets(config: Config, recipe: Recipe) -> tuple[dict[str, Any], Any]:
-    """The recipe's datasets, and what it fitted on the training rows; a recipe that cannot build them
-    (a missing file, say) is a config problem: reported like one, before anything is started or written."""
-    try:
-        datasets = recipe.make_datasets(config)
-    except Exception as e:  # noqa: BLE001 - whatever the recipe raises, with its own message
-        failed = f"recipe {recipe.name}: {where(recipe.build_datasets, 'build_datasets', e)} failed"
-        raise ConfigError(config.job, [f"{failed}: {type(e).__name__}: {e}"]) from e
-    try:
-        datasets, fitted = data.check_datasets(datasets, config.job)
-    except TypeError as e:
-        raise ConfigError(config.job, [str(e)]) from None
-    if data.is_stream(datasets):  # listed once, here: every worker reads the same files
-        try:
-            datasets = {name: s.listed(config.data.max_bad_files) for name, s in datasets.items()}
-        except stream.BadFile as e:
-            raise ConfigError(config.job, [f"dataset: {e}"]) from None
-    return datasets, fitted
 
 
 def _resume_point(run_path: str, config: Config) -> ResumePoint:

@@ -30,7 +30,7 @@ from raytrain_ddp.controller.callbacks import ClusterRecount
 from raytrain_ddp.data import datasets as data
 from raytrain_ddp.driver import console as ui
 from raytrain_ddp.driver import plan as planning
-from raytrain_ddp.driver import timeline
+from raytrain_ddp.driver import prepare, timeline
 from raytrain_ddp.driver.plan import Plan
 from raytrain_ddp.driver.registration import Registration, decided_already, register_best
 from raytrain_ddp.driver.summary import RunSummary, show
@@ -64,7 +64,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
             show(console, summary)
             return summary
         timeline.mark("checks")
-        plan = planning.make(standing, verbose=verbose, console=console)
+        plan = prepare.make(standing, verbose=verbose, console=console)
         flops = preflight.check(
             plan.config,
             plan.recipe,

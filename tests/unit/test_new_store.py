@@ -212,7 +212,7 @@ from raytrain_ddp.registry import tracking
 from raytrain_ddp.registry import records
 from raytrain_ddp.registry import sqlite_store
 before = "mlflow" in sys.modules
-session.quiet_logs(verbose=False)  # as plan.make does, before the store's thread starts
+session.quiet_logs(verbose=False)  # as prepare.make does, before the store's thread starts
 with sqlite_store.opening_store("sqlite:///{tmp_path / name}"):
     pass
 quiet = all(logging.getLogger(n).getEffectiveLevel() >= logging.ERROR for n in ("mlflow", "alembic"))
