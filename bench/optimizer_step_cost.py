@@ -3,7 +3,7 @@
     .venv/bin/python bench/optimizer_step_cost.py [--rounds 9] [--steps 600]
 
 - A: side A's update (bench/torchrun_ddp.py): the fused AdamW's step, then zero_grad;
-- B: `raytrain_ddp.worker.loop.optimizer_step` without train.grad_clip_norm (the benchmark's setting): the
+- B: `raytrain_ddp.worker.step.optimizer_step` without train.grad_clip_norm (the benchmark's setting): the
   same optimizer, the grad scaler passing through, the gradients' global norm (the reported
   `grad_norm`), the LR schedule;
 - B, clip at inf: the same, with the norm from `clip_grad_norm_(params, inf)`, as the service did
@@ -27,8 +27,8 @@ from torchrun_ddp import build_optimizer
 from workload import build_model
 
 from raytrain_ddp.config.schema import TrainSettings
-from raytrain_ddp.worker.loop import optimizer_step
 from raytrain_ddp.worker.optim import Updater
+from raytrain_ddp.worker.step import optimizer_step
 
 WORKLOAD = yaml.safe_load((Path(__file__).parent / "workload.yaml").read_text())
 

@@ -112,13 +112,13 @@ def _probe(loop_config: dict) -> None:
 
     from raytrain_ddp.config.schema import DataSettings, DDPSettings, TrainSettings
     from raytrain_ddp.data import datasets as data
-    from raytrain_ddp.worker import loop
+    from raytrain_ddp.worker import step as training
     from raytrain_ddp.worker.metrics import all_gather
     from raytrain_ddp.worker.optim import Accumulation, Updater
 
     seen: dict = {}
     # DDP keyword arguments, as wrap_model passes them.
-    ddp = loop.wrap_model(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), DDPSettings(**loop_config["ddp"]))
+    ddp = training.wrap_model(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), DDPSettings(**loop_config["ddp"]))
     seen["ddp"] = {
         "find_unused_parameters": ddp.find_unused_parameters,
         "broadcast_buffers": ddp.broadcast_buffers,
@@ -128,7 +128,7 @@ def _probe(loop_config: dict) -> None:
     }
     # sync_batchnorm hands DDP SyncBatchNorm layers, which DDP accepts on GPUs only.
     try:
-        loop.wrap_model(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), DDPSettings(sync_batchnorm=True))
+        training.wrap_model(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), DDPSettings(sync_batchnorm=True))
         seen["sync_batchnorm_on_cpu"] = "accepted"
     except ValueError as e:
         seen["sync_batchnorm_on_cpu"] = str(e)
@@ -136,7 +136,7 @@ def _probe(loop_config: dict) -> None:
     # Gradient accumulation: count DDP's gradient all-reduces over 8 micro-batches, 4 per step.
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    ddp = loop.wrap_model(model, DDPSettings())
+    ddp = training.wrap_model(model, DDPSettings())
     allreduces = []
 
     def counting_hook(state, bucket):
@@ -151,9 +151,9 @@ def _probe(loop_config: dict) -> None:
     squared = lambda ddp_model, x: ddp_model(x).pow(2).mean()  # noqa: E731
     steps = 0
     for i in range(8):  # as the loop trains a micro-batch, and steps
-        loop.forward_backward(ddp, squared, torch.randn(2, 4), updater, accumulation, i)
+        training.forward_backward(ddp, squared, torch.randn(2, 4), updater, accumulation, i)
         if accumulation.ends_step(i):
-            loop.optimizer_step(updater, clip_norm=None)
+            training.optimizer_step(updater, clip_norm=None)
             steps += 1
     seen["accumulation"] = {"steps": steps, "allreduces": len(allreduces)}
 
@@ -218,7 +218,7 @@ def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False) -> dict:
     import importlib.util
 
     from raytrain_ddp.config.schema import DDPSettings, TrainSettings
-    from raytrain_ddp.worker import loop
+    from raytrain_ddp.worker import step as training
     from raytrain_ddp.worker.optim import Accumulation, Updater
 
     spec = importlib.util.spec_from_file_location("chat_sft_probe", Path(__file__).parents[2] / "jobs" / "chat_sft.py")
@@ -235,15 +235,15 @@ def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False) -> dict:
     for i, (ids, labels) in enumerate(encoded):
         batch["input_ids"][i, : len(ids)], batch["labels"][i, : len(ids)] = torch.tensor(ids), torch.tensor(labels)
     model = sft.build_model(path=f"{chat_dir}/model", lora_r=0)
-    trained = loop.wrap_model(model, DDPSettings()) if ddp else model
+    trained = training.wrap_model(model, DDPSettings()) if ddp else model
     train = TrainSettings(optimizer="sgd", momentum=0.0, lr=0.5, weight_decay=0.0)
     accumulation = Accumulation(micro_batches=len(micro_batches), per_step=len(micro_batches))
     updater = Updater(model, train, steps_per_epoch=1, device=torch.device("cpu"))
     count = 0
     for i, rows in enumerate(micro_batches):
         part = {name: column[rows] for name, column in batch.items()}
-        count = count + loop.forward_backward(trained, sft.compute_loss, part, updater, accumulation, i)[1]
-    loop.optimizer_step(updater, None, count)
+        count = count + training.forward_backward(trained, sft.compute_loss, part, updater, accumulation, i)[1]
+    training.optimizer_step(updater, None, count)
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 

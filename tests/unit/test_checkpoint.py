@@ -13,8 +13,8 @@ import torch
 
 from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.config.schema import TrainSettings
-from raytrain_ddp.worker.loop import forward_backward, optimizer_step
 from raytrain_ddp.worker.optim import Accumulation, Updater
+from raytrain_ddp.worker.step import forward_backward, optimizer_step
 
 # fp16 turns the grad scaler on, so its state is part of the round trip (CPU scaler: test only; the
 # service allows fp16 on GPUs).

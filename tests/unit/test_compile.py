@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.config import recipe as recipes
 from raytrain_ddp.config.schema import TrainSettings
-from raytrain_ddp.worker.loop import CompiledShapes, compile_for_training, evaluate, forward_backward, optimizer_step
 from raytrain_ddp.worker.optim import Accumulation, Updater
+from raytrain_ddp.worker.step import CompiledShapes, compile_for_training, evaluate, forward_backward, optimizer_step
 
 TINY = recipes.load(str(Path(__file__).parents[1] / "jobs" / "tiny.py"))
 TRAIN = TrainSettings(

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from raytrain_ddp.config.schema import TrainSettings
-from raytrain_ddp.worker.loop import forward_backward, optimizer_step
 from raytrain_ddp.worker.optim import Accumulation, Updater, build_optimizer, lr_factor
+from raytrain_ddp.worker.step import forward_backward, optimizer_step
 
 
 def test_weight_decay_applies_to_weight_matrices_not_to_biases_or_norms():
