@@ -4,7 +4,7 @@
 UV_VERSION := 0.13.9
 UV := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 
-.PHONY: install demo test test-quick lint format bench
+.PHONY: install demo test test-quick test-ray-floor lint format bench
 
 # uv itself, where the machine has none: a private copy in .tools, not on the user's PATH.
 .tools/bin/uv:
@@ -21,8 +21,9 @@ install: $(UV)
 demo: install
 	.venv/bin/raytrain-ddp train digits
 
-# Everything: lint, the smoke run on Ray's public API alone (every ray_compat capability off), then
-# both tiers (tests/unit without Ray, tests/system end to end). System
+# Everything: lint, the smoke run on Ray's public API alone (every ray_compat capability off), the unit
+# tier and the smoke run on the oldest Ray supported, then both tiers (tests/unit without Ray,
+# tests/system end to end) on the lock's. System
 # packages for the `ray up` test (sshd, rsync) and the compile test (g++) are installed where the
 # machine allows, else named. Two test files at a time (pytest-xdist: two workers, each taking the
 # next file, the longest first: tests/conftest.py): one test's waits on a server, a node or Slurm
@@ -30,7 +31,23 @@ demo: install
 test: lint
 	bash tests/system-deps.sh
 	RAYTRAIN_DDP_RAY_INTERNALS=off .venv/bin/pytest -m smoke -p no:cacheprovider -q
+	$(MAKE) --no-print-directory test-ray-floor
 	.venv/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
+
+# The oldest Ray the service runs on (pyproject.toml's floor: docs/ray-versions.md): the unit tier and
+# the smoke run there too, in a second environment that differs from .venv in Ray alone: .venv's files
+# hard-linked (seconds, no disk; copied where links cannot be made), its scripts pointed at it, then Ray
+# replaced by the floor's release.
+RAY_FLOOR := 2.55.1
+RAY_FLOOR_VENV := .venv-ray-$(RAY_FLOOR)
+
+test-ray-floor: install
+	rm -rf $(RAY_FLOOR_VENV)
+	cp -al .venv $(RAY_FLOOR_VENV) 2>/dev/null || cp -a .venv $(RAY_FLOOR_VENV)
+	grep -l '^#!.*/\.venv/bin/python' $(RAY_FLOOR_VENV)/bin/* | xargs -r sed -i '1s|/\.venv/bin/python|/$(RAY_FLOOR_VENV)/bin/python|'
+	$(UV) pip install --quiet --python $(RAY_FLOOR_VENV)/bin/python --compile-bytecode "ray[default,train,data]==$(RAY_FLOOR)"
+	$(RAY_FLOOR_VENV)/bin/pytest tests/unit -n 2 -p no:cacheprovider -q
+	$(RAY_FLOOR_VENV)/bin/pytest -m smoke -p no:cacheprovider -q
 
 # While developing: the unit tier and one 2-worker run, a few minutes on 2 cores.
 test-quick: install

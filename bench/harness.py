@@ -548,6 +548,7 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
     quiet = {r.round: r for r in by_side.get("B-quiet", [])}
     if "B" in figures and (pairs := [(r, quiet[r.round]) for r in by_side["B"] if r.round in quiet]):
         figures["B"]["ratio_vs_quiet"] = _spread([r.step_ms / rq.step_ms for r, rq in pairs])
+    _against_the_internals(figures, by_side)
     return {
         "machine": _machine(bench.config["scaling"].get("use_gpu", False)),
         "workload": bench.describe(),
@@ -559,6 +560,20 @@ def summarize(runs: list[Run], bench: Bench, sides: list[str]) -> dict:
         "goals": _goals(figures),
         "runs": [asdict(r) | {"log": str(Path(r.log).relative_to(bench.work))} for r in runs],  # no machine paths
     }
+
+
+def _against_the_internals(figures: dict, by_side: dict[str, list[Run]]) -> None:
+    """What each of Ray's internals buys: a side without it (B-no-*, B-cold-no-*, *-public) against B or
+    B cold of the same round; positive: it costs that much more without."""
+    for side in (*WARM_INTERNALS, *COLD_INTERNALS):
+        base = {r.round: r for r in by_side.get("B-cold" if side.startswith("B-cold") else "B", [])}
+        pairs = [(r, base[r.round]) for r in by_side.get(side, []) if r.round in base]
+        if side in figures and pairs:
+            figures[side]["ttfs_gap_vs_base_s"] = _spread([r.ttfs_s - b.ttfs_s for r, b in pairs])
+            figures[side]["wall_gap_vs_base_s"] = _spread([r.wall_s - b.wall_s for r, b in pairs])
+            figures[side]["cpu_gap_vs_base_s"] = _spread(
+                [r.cpu_s - b.cpu_s for r, b in pairs if r.cpu_s is not None and b.cpu_s is not None]
+            )
 
 
 def describe(config: dict, workers: int, batches_per_epoch: int) -> str:
@@ -653,6 +668,9 @@ def markdown(results: dict) -> str:
         ("teardown: last step → exit, s", lambda f: _cell(f.get("teardown_s"), ".1f")),
         ("launch → exit, s", lambda f: _cell(f.get("wall_s"), ".1f")),
         ("CPU-seconds, every process, launch → exit", lambda f: _cell(f.get("cpu_s"), ".1f")),
+        ("without it, vs B / B cold (same round): first step, s", lambda f: _cell(f.get("ttfs_gap_vs_base_s"), "+.1f")),
+        ("… launch → exit, s", lambda f: _cell(f.get("wall_gap_vs_base_s"), "+.1f")),
+        ("… CPU-seconds", lambda f: _cell(f.get("cpu_gap_vs_base_s"), "+.1f")),
         (
             "final weights: max abs diff vs A",
             lambda f: "–" if f.get("weights_vs_a") is None else f"{f['weights_vs_a']:.1e}",

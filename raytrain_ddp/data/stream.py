@@ -288,17 +288,9 @@ class Blocks(Stream):
 
         if not isinstance(dataset, MaterializedDataset):
             return None
-        refs, offsets, rows = [], [], []
-        try:
-            for bundle in ray_compat.bundles(dataset):
-                for entry, part in zip(bundle.blocks, bundle.slices):
-                    refs.append(entry.ref)
-                    offsets.append(part.start_offset if part is not None else 0)
-                    rows.append(part.num_rows if part is not None else entry.metadata.num_rows)
-        except Exception:  # noqa: BLE001 - Ray Data's internals changed
+        if (found := ray_compat.blocks(dataset)) is None or any(rows is None for _, _, rows in found):
             return None
-        if None in rows:
-            return None
+        refs, offsets, rows = zip(*found) if found else ((), (), ())
         manifest = Manifest("object store", tuple(map(str, range(len(refs)))), np.array(rows, dtype=np.int64))
         return cls("object store", refs=tuple(refs), offsets=tuple(offsets), manifest=manifest)
 

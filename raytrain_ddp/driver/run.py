@@ -37,6 +37,7 @@ from raytrain_ddp.driver.summary import RunSummary, show
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.preflight import checks as preflight
 from raytrain_ddp.ray_compat import controller, trainer
+from raytrain_ddp.ray_compat.cluster import recounts
 from raytrain_ddp.registry import endpoint, model_logging, tracking
 from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -197,7 +198,7 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
 
 def _trainer(plan: Plan, run_id: str, progress: ui.LiveProgress) -> TorchTrainer:
     config, shipped = plan.config, data.shipped(plan.datasets)
-    recount = [ClusterRecount(config.scaling.resize_check_s)] if config.scaling.elastic else []
+    recount = [ClusterRecount(config.scaling.resize_check_s)] if config.scaling.elastic and recounts() else []
     loop_config = {
         "config": config.to_dict(),
         "recipe": plan.recipe,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from raytrain_ddp import ray_compat
 from raytrain_ddp.checkpoint import lease, storage
 from raytrain_ddp.cluster import ray_address, session
 from raytrain_ddp.config.recipe import Recipe
@@ -36,9 +37,28 @@ def check_before_ray(config: Config, run_path: str) -> ray_address.RayAddress:
     lease.check(run_path)
     address = session.ray_address()
     server = endpoint.check_server(config.mlflow.tracking_uri)
-    if problems := check_lasting_paths(config) + check_compile(config) + [p for p in (address.problem, server) if p]:
+    problems = check_lasting_paths(config) + check_compile(config) + check_ray_release(config)
+    if problems := problems + [p for p in (address.problem, server) if p]:
         raise ConfigError(config.job, problems)
     return address
+
+
+# Settings that need a later Ray than the oldest the service runs on: setting, the first release with it.
+RAY_FLOORS = {"data.label_selector": ((2, 56), "Ray Data's reading tasks ignore a label selector before it")}
+
+
+def check_ray_release(config: Config) -> list[str]:
+    """A setting the installed Ray cannot honour (RAY_FLOORS), named with the release it needs."""
+    release = ray_compat.ray_release()
+    problems = []
+    for key, (first, why) in RAY_FLOORS.items():
+        section, name = key.split(".")
+        if getattr(getattr(config, section), name) and release < first:
+            problems.append(
+                f"{key} needs Ray {first[0]}.{first[1]} or newer ({why}); this is Ray {release[0]}.{release[1]}: "
+                f"upgrade Ray, or unset {key}"
+            )
+    return problems
 
 
 def check_compile(config: Config) -> list[str]:

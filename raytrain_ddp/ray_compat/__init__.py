@@ -18,25 +18,28 @@ import os
 
 SWITCH_ENV = "RAYTRAIN_DDP_RAY_INTERNALS"
 
-# capability -> the Ray releases (major, minor) its private use was read in and tested on.
-KNOWN_ON: dict[str, tuple[tuple[int, int], ...]] = {
-    "prestart": ((2, 60),),  # the run's worker and controller processes started ahead (raylet's PrestartWorkers)
-    "torch_free_controller": ((2, 60),),  # the controller sets up the process group without importing torch
-    "lean_trainer": ((2, 60),),  # no placement-group cleaner and no dataset manager the run does not need
-    "controller_callbacks": ((2, 60),),  # the worker group's phases, nodes, resizes and preemptions seen
-    "autoscaling_coordinator": ((2, 60),),  # started ahead, recounted for elastic runs, a dead run's request withdrawn
-    "cluster_state": ((2, 60),),  # free resources per node, the autoscaler's config, the runs that hold a cluster
-    "own_raylet": ((2, 60),),  # the local Ray's monitor and worker processes ended with the command
-    "system_config": ((2, 60),),  # a local Ray that keeps idle workers a minute and prestarts none for the driver
-    "dataset_blocks": ((2, 60),),  # a materialized dataset's blocks read from its plan, not executed
+SUPPORTED = ((2, 55), (2, 60))  # the Ray releases the service runs on (pyproject.toml's range), oldest first
+# capability -> the Ray releases (major, minor), first and last, its private use was read in and tested on.
+KNOWN_ON: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "prestart": SUPPORTED,  # the run's worker and controller processes started ahead (raylet's PrestartWorkers)
+    "torch_free_controller": SUPPORTED,  # the controller sets up the process group without importing torch
+    "lean_trainer": SUPPORTED,  # no placement-group cleaner, no dataset manager the run does not need
+    "controller_callbacks": SUPPORTED,  # the worker group's phases, nodes, resizes and preemptions seen
+    "autoscaling_coordinator": SUPPORTED,  # the coordinator started ahead; a dead run's request withdrawn
+    "elastic_recount": ((2, 60), (2, 60)),  # the coordinator recounts the nodes before each resize check
+    "cluster_state": SUPPORTED,  # free resources per node, the autoscaler's config, the runs holding a cluster
+    "own_raylet": SUPPORTED,  # the local Ray's monitor and worker processes ended with the command
+    "system_config": SUPPORTED,  # a local Ray that keeps idle workers a minute and prestarts none for the driver
+    "dataset_blocks": SUPPORTED,  # a materialized dataset's blocks read from its plan, not executed
 }
 
 
 @functools.cache
 def ray_release() -> tuple[int, int]:
-    import ray
+    """The installed Ray's (major, minor), read from its metadata: no import of Ray."""
+    import importlib.metadata
 
-    major, minor = ray.__version__.split(".")[:2]
+    major, minor = importlib.metadata.version("ray").split(".")[:2]
     return int(major), int(minor)
 
 
@@ -49,7 +52,8 @@ def enabled(capability: str) -> bool:
         return False
     if f"-{capability}" in {part.strip() for part in switch.split(",")}:
         return False
-    return ray_release() in KNOWN_ON[capability]
+    first, last = KNOWN_ON[capability]
+    return first <= ray_release() <= last
 
 
 def states() -> dict[str, bool]:

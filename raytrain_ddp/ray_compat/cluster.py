@@ -89,9 +89,14 @@ def withdraw_request(requester: str) -> None:
         logger.warning("the run's resource request was not withdrawn (it expires within 3 min): %s", e)
 
 
+def recounts() -> bool:
+    """Whether an elastic run's controller can have the coordinator recount the nodes (`recount_nodes`)."""
+    return enabled("elastic_recount")
+
+
 def recount_nodes(requester: str) -> None:
     """Have the autoscaling coordinator count the alive nodes now (its tick), not within 20 s."""
-    if not enabled("autoscaling_coordinator"):
+    if not enabled("elastic_recount"):
         return
     try:
         ray.get(_coordinator().get_reserved_resources.remote(requester, recompute=True), timeout=5)

@@ -211,6 +211,7 @@ class PreemptionCheck:
 
     def __init__(self, every: int):
         watched = os.environ.get(PREEMPTION_WATCHER_ENV, "1") != "0"
+        watched = watched and hasattr(ray.train, "get_preemption_info")  # Ray Train's, from Ray 2.58
         self.every, self.seen = (every if watched else 0), False
 
     def just_now(self, step: int) -> bool:
