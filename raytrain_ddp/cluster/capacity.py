@@ -145,7 +145,7 @@ def release(kept: Iterable[str]) -> None:
     it and goes only with its job, so until the driver exits (a notebook's kernel) it would hold the
     workers' resources, or take them once they come. Ray Train's own cleaner for this, a detached
     actor that watches the controller, is one more process to start in every run; the driver, which
-    sees the run fail anyway, does it instead (driver._Trainer)."""
+    sees the run fail anyway, does it instead (ray_compat `lean_trainer`)."""
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     for id_ in placement_groups().keys() - set(kept):

@@ -37,7 +37,7 @@ tasks run wherever Ray finds a CPU (another node's, with `data.label_selector`),
 backpressure keeps what the pipeline holds under `data.object_store_mb`.
 
 `Blocks` plans a materialized Ray Dataset the same way, its blocks in the object store taking the
-files' place: each rank reads its pieces itself (`ray.get`), with no Ray Data pipeline (data.py says
+files' place: each rank reads its pieces itself (`ray.get`), with no Ray Data pipeline (datasets.py says
 when the driver ships a dataset so).
 
 A file that cannot be read (a truncated Parquet file, a missing column, an image that does not

@@ -1,6 +1,6 @@
 """The registry's `champion` alias: which version of a model it points at, decided from the registry's
 state alone (each version's score tags, and the last promotion by hand), so that every process that
-changes that state can set the alias and converge on one answer (`tracking.converge_champion` says why
+changes that state can set the alias and converge on one answer (`model_registry.converge_champion` says why
 two runs registering at once still leave one champion).
 
 The rule, as one run after another would apply it: a new version becomes champion only if its score
