@@ -67,7 +67,7 @@ def straight(ray_session, module_workspace):
     notebook_uri = f"sqlite:///{module_workspace.root / 'notebook.db'}"  # as if a notebook had its own
     mlflow.set_tracking_uri(notebook_uri)
     out = io.StringIO()  # no terminal: as a log, or `ray job logs`
-    tracking_log = logging.getLogger("raytrain_ddp.registry.tracking")
+    tracking_log = logging.getLogger("raytrain_ddp.registry.model_logging")
     level = tracking_log.level
     tracking_log.addHandler(PREPARING)
     tracking_log.setLevel(logging.DEBUG)
@@ -161,7 +161,7 @@ def test_only_the_driver_imports_mlflow_and_the_controller_no_torch(ray_session)
     from ray.util.queue import Queue
 
     from raytrain_ddp.controller.callbacks import ControllerMarks, ProgressRelay
-    from raytrain_ddp.worker.backend import ProcessGroupConfig
+    from raytrain_ddp.ray_compat.torch_backend import ProcessGroupConfig
 
     @ray.remote(num_cpus=0)
     class Process:
