@@ -78,7 +78,7 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
         plan = replace(plan, flops=flops)
         timeline.mark("pre-flight")
         ui.show_plan(console, plan)
-        with lease.Lease(plan.run_path):
+        with lease.Lease(plan.run_path), model_logging.rehearsal_bounded():
             run_id = tracking.start_run(plan.config, plan.run_path, plan.flops.params() | data.listed(plan.datasets))
             timeline.mark("mlflow")
             trained = fit(plan, run_id, console, verbose)

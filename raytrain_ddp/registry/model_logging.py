@@ -11,13 +11,11 @@ import os
 import sys
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +42,19 @@ def prepare_model_logging() -> None:
     logger.debug("preparing model logging ahead of the registration")
     _preparing = threading.Thread(target=prepare, name="prepare-model-logging", daemon=True)
     _preparing.start()
+
+
+@contextlib.contextmanager
+def rehearsal_bounded() -> Iterator[None]:
+    """Wait, on the way out, for a rehearsal started inside (`prepare_model_logging`): it must not
+    outlive the run. Where registration failed at once (a tracking server gone) it is still exporting
+    as the command leaves Ray, and a thread that runs while Ray's core worker shuts down can end the
+    process with status 1 ("The core worker has already been shutdown"), not the command's own."""
+    try:
+        yield
+    finally:
+        if _preparing is not None:
+            _preparing.join()
 
 
 def rehearse_model_logging() -> None:

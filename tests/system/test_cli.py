@@ -270,7 +270,9 @@ def test_a_new_run_refused_once_its_ray_started_exits_in_seconds_leaving_no_proc
     assert f"the MLflow tracking server {uri} is unreachable (connection refused)" in err
     assert "Traceback" not in err
     assert any((ray_tmp / "ray").glob("session_*"))  # its Ray had started
-    assert took < 30
+    # What this guards against is Ray's retries of a start (minutes); the bound leaves room for a host
+    # whose two cores are busy with another test's cluster meanwhile.
+    assert took < 90, took
 
     _wait_for_no_process_of(command.pid)
 
