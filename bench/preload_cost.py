@@ -1,5 +1,5 @@
 """What the driver's preparation for registration costs a DDP run on the same cores, by how the
-preparing thread is scheduled (`model_logging.prepare_model_logging`: a one-layer model logged to a
+preparing thread is scheduled (`model_logging.Rehearsal`: a one-layer model logged to a
 temporary directory, which loads torch.export and MLflow's model logging, 3-4 CPU-seconds on a small
 machine, while the last epoch trains):
 

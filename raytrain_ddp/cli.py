@@ -131,10 +131,10 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {ConfigError(config.job, [address.problem])}", file=sys.stderr)
         return 2
 
-    from raytrain_ddp.driver import timeline  # the run's phases, timed from this process's launch
+    from raytrain_ddp.driver.timeline import Timeline
 
-    timeline.launch()
-    timeline.mark("config")
+    clock = Timeline()  # the run's phases, timed from this process's launch
+    clock.mark("config")
     from raytrain_ddp.cluster import prestart, session
 
     if _new_run(config):  # Ray starts (or is joined), and the run's processes, while torch and Ray Train load
@@ -146,10 +146,10 @@ def _train(args: argparse.Namespace) -> int:
     if run is None:
         print("interrupted (Ctrl-C) while loading, before anything was read or written", file=sys.stderr)
         return 130
-    timeline.mark("imports")
+    clock.mark("imports")
     session.stop_on_sigterm()
     try:
-        return _exit_status(run, config, args.verbose, session)
+        return _exit_status(functools.partial(run, timeline=clock), config, args.verbose, session)
     finally:
         _leave_ray()
 

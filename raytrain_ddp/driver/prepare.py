@@ -15,13 +15,13 @@ from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, ConfigError
 from raytrain_ddp.data import datasets as data
 from raytrain_ddp.data import stream
-from raytrain_ddp.driver import timeline
 from raytrain_ddp.driver.plan import Plan, Standing, resume_command
+from raytrain_ddp.driver.timeline import Timeline
 from raytrain_ddp.preflight.recipe_check import where
 from raytrain_ddp.registry import sqlite_store
 
 
-def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
+def make(standing: Standing, *, verbose: bool, console: Console, clock: Timeline) -> Plan:
     """The plan of the run that `standing` found: Ray joined or started, the recipe imported and its
     datasets built. Raises ConfigError for a recipe that breaks the contract or cannot build its
     datasets, or a RAY_ADDRESS that answers but not as a Ray cluster."""
@@ -33,15 +33,15 @@ def make(standing: Standing, *, verbose: bool, console: Console) -> Plan:
             console.print(f"[dim]{standing.address.note}[/]", highlight=False)
         with console.status("Starting Ray…"):
             _connect(config, standing.address, verbose)
-        timeline.mark("ray")
+        clock.mark("ray")
         with console.status("Building datasets…"):
             datasets, fitted = _build_datasets(config, recipe)
             # The controller's process, now that the workers' have started (prestart.start_controller).
             prestart.start_controller(config)
             train_rows = data.num_rows(datasets["train"])
-            timeline.mark("datasets")
+            clock.mark("datasets")
             example = data.example_batch(datasets["val"], config.seed)
-            timeline.mark("example rows")
+            clock.mark("example rows")
     return Plan(
         config=config,
         recipe=recipe,

@@ -41,6 +41,7 @@ from raytrain_ddp.data import datasets as data
 from raytrain_ddp.driver import plan as planning
 from raytrain_ddp.driver import prepare
 from raytrain_ddp.driver.plan import Plan
+from raytrain_ddp.driver.timeline import Timeline
 from raytrain_ddp.errors import RegistrationFailed
 from raytrain_ddp.registry import endpoint, model_logging, model_registry, records, tracking
 
@@ -70,7 +71,7 @@ def register(
         config = standing.config
         registration = decided_already(standing)  # registered before: answered from the registry, no Ray
         if registration is None or registration.model is None:
-            plan = prepare.make(standing, verbose=verbose, console=console)
+            plan = prepare.make(standing, verbose=verbose, console=console, clock=Timeline())
             with lease.Lease(plan.run_path):
                 run_id = tracking.start_run(plan.config, plan.run_path)
                 checkpoints = ckpt.run_record(plan.run_path).best_checkpoints

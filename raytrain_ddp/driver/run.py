@@ -30,10 +30,11 @@ from raytrain_ddp.controller.callbacks import ClusterRecount
 from raytrain_ddp.data import datasets as data
 from raytrain_ddp.driver import console as ui
 from raytrain_ddp.driver import plan as planning
-from raytrain_ddp.driver import prepare, timeline
+from raytrain_ddp.driver import prepare
 from raytrain_ddp.driver.plan import Plan
 from raytrain_ddp.driver.registration import Registration, decided_already, register_best
 from raytrain_ddp.driver.summary import RunSummary, show
+from raytrain_ddp.driver.timeline import Timeline, strip
 from raytrain_ddp.errors import RunFailed, RunInterrupted
 from raytrain_ddp.preflight import checks as preflight
 from raytrain_ddp.ray_compat import controller, trainer
@@ -43,7 +44,9 @@ from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.loop import train_loop_per_worker
 
 
-def run(config: Config, *, verbose: bool = False, console: Console | None = None) -> RunSummary:
+def run(
+    config: Config, *, verbose: bool = False, console: Console | None = None, timeline: Timeline | None = None
+) -> RunSummary:
     """Train `config` to its last epoch (resuming the run if it exists), register the best
     checkpoint's model (as `mlflow.register` says: the summary says whether, and why), and return the
     summary. Raises ConfigError before any worker starts if the
@@ -54,18 +57,19 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
     A run that had already finished, with its model registered (or not, as `mlflow.register` decides
     without the model), is answered from its record without starting Ray: the summary of that run,
     with `already_finished` set (a finished run whose model is still to register is registered, as
-    after training)."""
+    after training). `timeline`: where the run's phases are marked (the command line's, from its
+    launch); else one from now."""
     started = time.monotonic()
     console = console or Console(soft_wrap=True)
-    run_timeline = timeline.begin()
+    clock = timeline or Timeline(launched=time.time())
     with session.bounded_mlflow_retries():
         standing = planning.stand(config)
         if standing.finished and (decided := decided_already(standing)) is not None:
             summary = _already_finished(standing, decided, time.monotonic() - started)
             show(console, summary)
             return summary
-        timeline.mark("checks")
-        plan = prepare.make(standing, verbose=verbose, console=console)
+        clock.mark("checks")
+        plan = prepare.make(standing, verbose=verbose, console=console, clock=clock)
         flops = preflight.check(
             plan.config,
             plan.recipe,
@@ -76,23 +80,24 @@ def run(config: Config, *, verbose: bool = False, console: Console | None = None
             saved_config=plan.resume.saved_config,
         )
         plan = replace(plan, flops=flops)
-        timeline.mark("pre-flight")
+        clock.mark("pre-flight")
         ui.show_plan(console, plan)
-        with lease.Lease(plan.run_path), model_logging.rehearsal_bounded():
+        with lease.Lease(plan.run_path), model_logging.Rehearsal() as rehearsal:
             run_id = tracking.start_run(plan.config, plan.run_path, plan.flops.params() | data.listed(plan.datasets))
-            timeline.mark("mlflow")
-            trained = fit(plan, run_id, console, verbose)
-            timeline.mark("fit returned")
+            clock.mark("mlflow")
+            trained = fit(plan, run_id, console, clock, rehearsal, verbose)
+            clock.mark("fit returned")
+            rehearsal.wait()  # torch.export keeps global state while it traces: one export at a time
             policy = plan.config.mlflow.register
             registration = register_best(plan, trained.best_checkpoints, run_id, console, policy)
-            timeline.mark("registered")
+            clock.mark("registered")
     summary = _summarize(plan, trained, registration, run_id, time.monotonic() - started)
     show(console, summary)
-    _keep_timeline(plan, run_timeline, console, verbose)
+    _keep_timeline(plan, clock, console, verbose)
     return summary
 
 
-def _keep_timeline(plan: Plan, kept: timeline.Timeline, console: Console, verbose: bool) -> None:
+def _keep_timeline(plan: Plan, kept: Timeline, console: Console, verbose: bool) -> None:
     """The run's timeline in `<run>/timeline.json` (the benchmark reads it); on the console, `verbose`."""
     if verbose:
         console.print(kept.table(), markup=False, highlight=False)
@@ -112,7 +117,14 @@ class Trained:
     patience_spent: bool = False  # early stopping's patience is spent: more epochs alone train nothing
 
 
-def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Trained:
+def fit(
+    plan: Plan,
+    run_id: str,
+    console: Console,
+    clock: Timeline,
+    rehearsal: model_logging.Rehearsal,
+    verbose: bool = False,
+) -> Trained:
     """Train the plan's run to its last epoch (or until early stopping ends it), showing its progress.
     On the way out of a failure or Ctrl-C the MLflow run is marked FAILED or KILLED, and RunFailed or
     RunInterrupted says what failed, where the checkpoints are, the file with the workers' full
@@ -122,9 +134,7 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
     # priority: not while Ray Train starts, which is the cores' work on a small machine.
     preparing = config.mlflow.register != "never" and plan.recipe.log_model is None
     metrics_log = tracking.MetricsLog(config.mlflow.tracking_uri, run_id)
-    progress = ui.LiveProgress(
-        console, plan, timeline.current(), metrics_log.add, model_logging.prepare_model_logging if preparing else None
-    )
+    progress = ui.LiveProgress(console, plan, clock, metrics_log.add, rehearsal.start if preparing else None)
     try:
         with metrics_log:  # every report's metrics in MLflow before it ends
             result = _fit(plan, run_id, progress)
@@ -156,9 +166,9 @@ def fit(plan: Plan, run_id: str, console: Console, verbose: bool = False) -> Tra
         raise (RunInterrupted if interrupted else RunFailed)(
             f"run {config.run.name} {what}\ncheckpoints so far: {plan.run_path}\nresume: {plan.resume_command}"
         ) from e
-    best = [(checkpoint, timeline.strip(metrics)) for checkpoint, metrics in result.best_checkpoints]
+    best = [(checkpoint, strip(metrics)) for checkpoint, metrics in result.best_checkpoints]
     stopped_early = early if epochs < config.train.epochs else None
-    return Trained(epochs, timeline.strip(metrics), best, progress.failures, stopped_early, early is not None)
+    return Trained(epochs, strip(metrics), best, progress.failures, stopped_early, early is not None)
 
 
 def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) -> str:

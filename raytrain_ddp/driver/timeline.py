@@ -5,7 +5,8 @@ machine): the driver marks its own phases (`mark`); Ray Train's controller marks
 (`callbacks.ControllerMarks`, a controller callback, through the progress display's queue); rank 0 marks the
 worker's (`WorkerMarks`) and sends them with its next report, under `MARKS`. `Timeline.table()` lays
 them out as phases, each from its mark to the next; `driver.run` keeps the run's in
-`<run>/timeline.json` and the benchmark prints it.
+`<run>/timeline.json` and the benchmark prints it. One `Timeline` per run, passed down from where
+the run starts (the command line's, from its launch).
 
 Each mark names the end of a phase: "datasets" is the moment the datasets were built, so the phase
 "datasets" is the time between the mark before it and this one.
@@ -37,8 +38,9 @@ class Timeline:
     """The marks of one run, in the order of their times."""
 
     def __init__(self, launched: float | None = None):
+        """From `launched` (wall time), else from this process's launch: a command's run counts its
+        imports and config; a notebook's run starts its own clock (`Timeline(time.time())`)."""
         self.marks: list[tuple[str, float]] = [("launch", launched if launched is not None else _process_start())]
-        self.begun = False  # a run has taken it (`begin`)
 
     def mark(self, phase: str, at: float | None = None) -> None:
         self.marks.append((phase, time.time() if at is None else at))
@@ -73,33 +75,3 @@ def _process_start() -> float:
         with contextlib.suppress(psutil.Error):
             return psutil.Process().create_time()
         return time.time()
-
-
-_driver: Timeline | None = None  # this process's run: the one `begin` started last
-
-
-def launch() -> None:
-    """The command line's run, timed from the process's launch (its imports and config count)."""
-    global _driver
-    _driver = Timeline()
-
-
-def begin() -> Timeline:
-    """The timeline of a run starting now: the command line's, from its launch; else (a notebook's
-    run, a second run of the process) a new one, from now."""
-    global _driver
-    if _driver is None or _driver.begun:
-        _driver = Timeline(launched=time.time())
-    _driver.begun = True
-    return _driver
-
-
-def current() -> Timeline:
-    """The run's timeline that has begun (a new one if none has)."""
-    return _driver if _driver is not None and _driver.begun else begin()
-
-
-def mark(phase: str) -> None:
-    """Mark the end of a driver phase of the run that has begun (nothing outside a run)."""
-    if _driver is not None:
-        _driver.mark(phase)

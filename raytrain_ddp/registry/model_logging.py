@@ -11,7 +11,6 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,41 +19,43 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-_preparing: threading.Thread | None = None  # prepare_model_logging's thread, once started
+class Rehearsal:
+    """The one-time work of `log_pytorch_model` (`rehearse_model_logging`), done on a thread that the
+    driver would otherwise wait for after training. `start` is called once the ranks train (the
+    driver's first progress or report from rank 0), not as Ray Train starts: on a small machine the
+    start is the cores' work, and where the driver joined a cluster of another session the lowest
+    priority below does not yield to it (it delayed the first step). At the lowest CPU priority
+    (`yield_the_cpu`): what the steps leave of the cores, within the driver's session.
 
+    As a context manager it never outlives the run: torch.export keeps global state while it traces
+    (one export at a time: `wait` before registering), and a thread still exporting as the command
+    leaves Ray (a registration that failed at once) can end the process with status 1 while Ray's
+    core worker shuts down ("The core worker has already been shutdown"), not the command's own."""
 
-def prepare_model_logging() -> None:
-    """Do, on a thread, the one-time work of `log_pytorch_model` (`rehearse_model_logging`), which the
-    driver would otherwise wait for after training. Started once the ranks train (the driver's first
-    progress or report from rank 0), not as Ray Train starts: on a small machine the start is the
-    cores' work, and where the driver joined a cluster of another session the lowest priority below
-    does not yield to it (it delayed the first step). At the lowest CPU priority
-    (`yield_the_cpu`): what the steps leave of the cores, within the driver's session."""
-    global _preparing
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
 
-    def prepare() -> None:
-        yield_the_cpu()
-        try:
-            rehearse_model_logging()
-        except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
-            logger.debug("preparing model logging: %s", e)
+    def start(self) -> None:
+        def prepare() -> None:
+            yield_the_cpu()
+            try:
+                rehearse_model_logging()
+            except Exception as e:  # noqa: BLE001 - only a head start: registration will say what is wrong
+                logger.debug("preparing model logging: %s", e)
 
-    logger.debug("preparing model logging ahead of the registration")
-    _preparing = threading.Thread(target=prepare, name="prepare-model-logging", daemon=True)
-    _preparing.start()
+        logger.debug("preparing model logging ahead of the registration")
+        self._thread = threading.Thread(target=prepare, name="prepare-model-logging", daemon=True)
+        self._thread.start()
 
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
-@contextlib.contextmanager
-def rehearsal_bounded() -> Iterator[None]:
-    """Wait, on the way out, for a rehearsal started inside (`prepare_model_logging`): it must not
-    outlive the run. Where registration failed at once (a tracking server gone) it is still exporting
-    as the command leaves Ray, and a thread that runs while Ray's core worker shuts down can end the
-    process with status 1 ("The core worker has already been shutdown"), not the command's own."""
-    try:
-        yield
-    finally:
-        if _preparing is not None:
-            _preparing.join()
+    def __enter__(self) -> Rehearsal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wait()
 
 
 def rehearse_model_logging() -> None:
@@ -88,8 +89,6 @@ def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name
     """The default: an MLflow PyTorch model (an exported program) with a signature and input example."""
     import mlflow.pytorch
 
-    if _preparing is not None:  # torch.export keeps global state while it traces: one export at a time
-        _preparing.join()
     with torch.no_grad():
         output = model(torch.from_numpy(input_example)).numpy()
     return mlflow.pytorch.log_model(model, name=name, **model_files(input_example, output))

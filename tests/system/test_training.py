@@ -34,7 +34,7 @@ STEPS_PER_EPOCH = 23  # 718 rows per worker in batches of 32
 
 
 class _Preparing(logging.Handler):
-    """When a driver began preparing its registration (model_logging.prepare_model_logging's debug line)."""
+    """When a driver began preparing its registration (model_logging.Rehearsal.start's debug line)."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-PRINT_LAUNCH = "from raytrain_ddp.driver import timeline; timeline.launch(); print(repr(timeline.begin().marks[0][1]))"
+PRINT_LAUNCH = "from raytrain_ddp.driver.timeline import Timeline; print(repr(Timeline().marks[0][1]))"
 
 
 def test_a_commands_timeline_starts_when_it_was_launched():
