@@ -27,7 +27,7 @@ demo: install
 # packages for the `ray up` test (sshd, rsync) and the compile test (g++) are installed where the
 # machine allows, else named. Two test files at a time (pytest-xdist: two workers, each taking the
 # next file, the longest first: tests/conftest.py): one test's waits on a server, a node or Slurm
-# are the other's working time (22.9-24.8 min on 2 cores, its cores 97 % busy; 26-27 min one at a time).
+# are the other's working time (the session's line in `time by file` says how busy the cores were).
 test: lint
 	bash tests/system-deps.sh
 	RAYTRAIN_DDP_RAY_INTERNALS=off .venv/bin/pytest -m smoke -p no:cacheprovider -q

@@ -22,8 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# The files that take longest, longest first (`time by file` of a clean clone, one test at a time,
-# 2026-11-29). `make test` runs the suite on two xdist workers, each taking the next file as it frees
+# The files that take longest, longest first (`time by file` of a clean clone's run, one test at a
+# time: `pytest -n 0`). `make test` runs the suite on two xdist workers, each taking the next file as it frees
 # up: the longest started first leaves short files for the end, so neither waits long for the other
 # (largest first, the classic rule for two machines). Every other file keeps its place after these.
 LONGEST_FIRST = [
