@@ -22,6 +22,7 @@ import pytest
 from services import cli as raytrain_ddp
 from services import free_port, user_env, wait_until
 
+from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.driver import timeline
 
 CLI = str(Path(sys.executable).parent / "raytrain-ddp")
@@ -69,8 +70,8 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
     """Driver A trains; B, the same command, is refused while A lives; A's whole process group is
     SIGKILLed; C, the same command again, resumes from A's latest checkpoint and is stopped with
     SIGTERM (`kill`, `ray job stop`, `scancel --batch --signal=TERM`), which stops it as Ctrl-C does
-    (Ctrl-C itself: test_progress.py); D, the command C printed, finishes the run and registers the
-    model, once."""
+    (Ctrl-C itself: test_progress.py); D, the command C printed (the run made shorter), finishes the
+    run and registers the model, once."""
     from mlflow.tracking import MlflowClient
 
     passes = tmp_path / "passes"  # tiny.py logs each training pass, per rank (no faults injected)
@@ -140,9 +141,13 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
         ]
     )  # what differs from the job's YAML
 
-    d = raytrain_ddp(*shlex.split(resume)[1:], cwd=tmp_path)
+    # D runs that command with the run shortened to two epochs past C's last checkpoint (train.epochs may
+    # change on resume): what is tested is that it resumes, finishes and registers once, not 30-odd epochs.
+    stop_at = int(ckpt.open_verified(_latest_checkpoint(tmp_path / "runs" / "shared")).metrics()["epoch"]) + 2
+    d = raytrain_ddp(*shlex.split(resume)[1:], f"train.epochs={stop_at}", cwd=tmp_path)
     assert d.returncode == 0, d.stderr[-3000:]
     assert re.search(r"resuming from epoch_\d{4}", d.stdout)
+    assert re.search(rf"^epoch +{stop_at}/{stop_at} ", d.stdout, re.M), d.stdout[-3000:]
     [finished] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert finished.info.run_id == stopped.info.run_id and finished.info.status == "FINISHED"  # one MLflow run
     assert len(client.search_model_versions("name = 'tiny'")) == 1
@@ -179,8 +184,6 @@ def _latest_checkpoint(run_dir: Path) -> Path:
     """What a resume uses: the newest checkpoint A's workers wrote whole (they may write one after the
     controller that would record it is gone), else Ray's record's latest."""
     import ray.train
-
-    from raytrain_ddp.checkpoint import format as ckpt
 
     latest = Path(ray.train.Result.from_path(run_dir).checkpoint.path).name
     return run_dir / (ckpt.newest_unrecorded(str(run_dir), latest) or latest)
