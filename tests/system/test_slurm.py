@@ -142,7 +142,7 @@ def test_sbatch_trains_on_the_allocation_and_a_stopped_or_cancelled_job_resumes_
     (taking over the killed driver's lease), finishes and registers the model."""
     from mlflow.tracking import MlflowClient
 
-    args = (TINY, "dataset.rows=4096", "train.epochs=6", "run.name=slurm")
+    args = (TINY, "dataset.rows=2048", "train.epochs=6", "run.name=slurm")
     runs = tmp_path / "runs" / "slurm"
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
 
