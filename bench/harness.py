@@ -61,7 +61,7 @@ import workload  # noqa: E402
 
 # What each of Ray's internals buys (raytrain_ddp/ray_compat): B and B-cold on Ray's public API alone
 # (-public), and without one capability at a time (-no-<capability>).
-INTERNALS = ("prestart", "torch_free_controller", "lean_trainer", "autoscaling_coordinator", "system_config")
+INTERNALS = ("prestart", "torch_free_controller", "lean_trainer", "system_config")
 WARM_INTERNALS = ("B-public", *(f"B-no-{name}" for name in INTERNALS if name != "system_config"))
 COLD_INTERNALS = ("B-cold-public", *(f"B-cold-no-{name}" for name in INTERNALS))
 SIDES = (

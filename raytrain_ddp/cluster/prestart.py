@@ -36,7 +36,6 @@ import ray
 
 from raytrain_ddp.cluster import capacity, session
 from raytrain_ddp.config.schema import Config
-from raytrain_ddp.ray_compat import cluster
 from raytrain_ddp.ray_compat import prestart as ray_compat
 from raytrain_ddp.worker import setup
 
@@ -58,11 +57,10 @@ def worker_runtime_env(config: Config) -> dict:
 def ahead(config: Config) -> None:
     """What the run starts ahead once the driver has joined Ray (`session.connect`; the command's
     `session.start`, on its thread, while the command still imports torch and Ray Train): the workers'
-    processes (`start`), then Ray's autoscaling coordinator, which Ray Train's controller waits for
-    (`ray_compat.cluster.start_autoscaling_coordinator`). In that order: a raylet drops the part of a prestart request
-    beyond its free start slots (one per CPU), and an actor's creation waits for one."""
+    processes (`start`). (Ray's autoscaling coordinator, which the controller waits for on a cluster's
+    first run, is not created ahead: measured, that bought less than half a second, and cost a run on
+    a Ray of its own, where every run is the first, 0.7 s: docs/ray-versions.md.)"""
     start(config)
-    cluster.start_autoscaling_coordinator()
 
 
 def start(config: Config) -> int:

@@ -25,7 +25,7 @@ KNOWN_ON: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "torch_free_controller": SUPPORTED,  # the controller sets up the process group without importing torch
     "lean_trainer": SUPPORTED,  # no placement-group cleaner, no dataset manager the run does not need
     "controller_callbacks": SUPPORTED,  # the worker group's phases, nodes, resizes and preemptions seen
-    "autoscaling_coordinator": SUPPORTED,  # the coordinator started ahead; a dead run's request withdrawn
+    "autoscaling_coordinator": SUPPORTED,  # a dead run's request withdrawn
     "elastic_recount": ((2, 60), (2, 60)),  # the coordinator recounts the nodes before each resize check
     "cluster_state": SUPPORTED,  # free resources per node, the autoscaler's config, the runs holding a cluster
     "own_raylet": SUPPORTED,  # the local Ray's monitor and worker processes ended with the command

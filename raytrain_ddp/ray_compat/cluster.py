@@ -67,17 +67,6 @@ def _coordinator() -> Any:
     return get_or_create_autoscaling_coordinator()
 
 
-def start_autoscaling_coordinator() -> None:
-    """Create Ray's autoscaling coordinator (one detached actor per cluster) if the cluster has none
-    yet, without waiting for it: Ray Train's controller waits for a new one's process as it starts."""
-    if not enabled("autoscaling_coordinator"):
-        return
-    try:
-        _coordinator()
-    except Exception as e:  # noqa: BLE001 - the controller creates it then, as it would have
-        logger.debug("Ray's autoscaling coordinator not started ahead: %s", e)
-
-
 def withdraw_request(requester: str) -> None:
     """Withdraw `requester`'s request for resources from the autoscaling coordinator (a killed
     controller cannot; it would hold its reservation until it expires, in 3 minutes)."""
