@@ -32,7 +32,7 @@ import copy
 import hashlib
 import itertools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -99,12 +99,21 @@ def is_stream(datasets: Mapping[str, Any]) -> bool:
 
 
 def listed(datasets: Mapping[str, Any]) -> dict[str, str]:
-    """For streams, what listing found, as MLflow params: files per dataset, and the unreadable ones
-    skipped (data.max_bad_files)."""
+    """For streams, what listing found, as MLflow params: the files of each dataset. (The unreadable
+    ones skipped are known only once training has read them all: `skipped`.)"""
     if not is_stream(datasets):
         return {}
-    found = {f"data.{name}_files": str(len(s.manifest.files)) for name, s in datasets.items()}
-    return found | {"data.skipped_files": str(sum(len(s.manifest.skipped) for s in datasets.values()))}
+    return {f"data.{name}_files": str(len(s.manifest.files)) for name, s in datasets.items()}
+
+
+def skipped(datasets: Mapping[str, Any], read: Iterable[str]) -> list[str]:
+    """Every file a run of streams left out as unreadable (data.max_bad_files), a line each: those
+    listing found (any dataset), then those the ranks found reading the training files (`read`, the
+    last epoch's report)."""
+    if not is_stream(datasets):
+        return []
+    found = [f"{name}: {entry}" for name, s in datasets.items() for entry in s.manifest.skipped]
+    return found + [f"train: {path}: unreadable when read" for path in sorted(read)]
 
 
 def shipped(datasets: Mapping[str, Any]) -> dict[str, Any] | None:

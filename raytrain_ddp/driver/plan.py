@@ -106,7 +106,7 @@ def stand(config: Config) -> Standing:
     config = _resolve(config, layering.origin_of(config).job.name)
     run_path = config.run.path
     address = preflight.check_before_ray(config, run_path)
-    resume = _resume_point(run_path, config)
+    resume = resume_point(run_path, config)
     if resume.saved_config is not None and (conflicts := resume_conflicts(resume.saved_config, config)):
         raise ConfigError(
             config.job, [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
@@ -170,7 +170,9 @@ def _resolve(config: Config, job_name: str) -> Config:
     )
 
 
-def _resume_point(run_path: str, config: Config) -> ResumePoint:
+def resume_point(run_path: str, config: Config) -> ResumePoint:
+    """Where a run of `config` in `run_path` would resume: its newest checkpoint that verifies (an
+    empty ResumePoint: none, a new run). Raises RunFailed where every checkpoint is damaged."""
     record = ckpt.run_record(run_path)
     latest, committed = (record.checkpoint, record.best_checkpoints) if record is not None else (None, [])
     unrecorded = ckpt.unrecorded(run_path, None if latest is None else Path(latest.path).name)

@@ -42,6 +42,7 @@ from raytrain_ddp.ray_compat.cluster import recounts
 from raytrain_ddp.registry import endpoint, model_logging, tracking
 from raytrain_ddp.worker.early_stopping import ended_early
 from raytrain_ddp.worker.loop import train_loop_per_worker
+from raytrain_ddp.worker.metrics import BAD_FILES
 
 
 def run(
@@ -87,11 +88,15 @@ def run(
             clock.mark("mlflow")
             trained = fit(plan, run_id, console, clock, rehearsal, verbose)
             clock.mark("fit returned")
+            if skipped := data.skipped(plan.datasets, trained.final_metrics.get(BAD_FILES, [])):
+                tracking.log_skipped(plan.config, run_id, skipped)
             rehearsal.wait()  # torch.export keeps global state while it traces: one export at a time
             policy = plan.config.mlflow.register
             registration = register_best(plan, trained.best_checkpoints, run_id, console, policy)
             clock.mark("registered")
-    summary = _summarize(plan, trained, registration, run_id, time.monotonic() - started)
+    summary = replace(
+        _summarize(plan, trained, registration, run_id, time.monotonic() - started), skipped_files=skipped
+    )
     show(console, summary)
     _keep_timeline(plan, clock, console, verbose)
     return summary
@@ -164,11 +169,26 @@ def fit(
             what = f"failed: {failed}"
             what += _keep_tracebacks(plan, e, console if verbose else None)
         raise (RunInterrupted if interrupted else RunFailed)(
-            f"run {config.run.name} {what}\ncheckpoints so far: {plan.run_path}\nresume: {plan.resume_command}"
+            f"run {config.run.name} {what}\n{_stands(plan)}\nresume: {plan.resume_command}"
         ) from e
     best = [(checkpoint, strip(metrics)) for checkpoint, metrics in result.best_checkpoints]
     stopped_early = early if epochs < config.train.epochs else None
     return Trained(epochs, strip(metrics), best, progress.failures, stopped_early, early is not None)
+
+
+def _stands(plan: Plan) -> str:
+    """Where a stopped run stands, for the line above its resume command: the checkpoint the command
+    continues from (as a resume would choose it), or that nothing was saved and it starts over."""
+    try:
+        point = planning.resume_point(plan.run_path, plan.config)
+    except Exception:  # noqa: BLE001 - every checkpoint damaged, or the storage failing: the resume will say
+        return f"checkpoints so far: {plan.run_path}"
+    if point.checkpoint is None:
+        return f"nothing saved yet (no checkpoint in {plan.run_path}): the command below starts the run over"
+    return (
+        f"checkpoints so far: {plan.run_path}; the command below continues from {point.checkpoint} "
+        f"(epoch {point.epoch:.4g}, step {point.step})"
+    )
 
 
 def _keep_tracebacks(plan: Plan, error: BaseException, console: Console | None) -> str:

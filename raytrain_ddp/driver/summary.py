@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
@@ -36,6 +36,9 @@ class RunSummary:
     already_finished: bool = False  # the run had finished before, its registration decided: nothing was done
     stopped_early: str | None = None  # why early stopping ended the run before train.epochs (None: it did not)
     patience_spent: bool = False  # early stopping's patience is spent (maybe at the last epoch): more epochs end
+    skipped_files: list[str] = field(
+        default_factory=list
+    )  # unreadable files left out (data.max_bad_files), a line each
 
 
 def show(console: Console, summary: RunSummary) -> None:
@@ -49,6 +52,7 @@ def show(console: Console, summary: RunSummary) -> None:
         *_registration_rows(summary),
         ("MLflow run", f"{summary.mlflow_run_id}  in {summary.tracking_uri}"),
         *([("artifacts", ", ".join(summary.artifacts))] if summary.artifacts else []),
+        *([("skipped files", _skipped(summary.skipped_files))] if summary.skipped_files else []),
         ("MLflow UI", summary.ui_command),
         ("train longer", _train_longer(summary)),
     ]
@@ -77,6 +81,12 @@ def show(console: Console, summary: RunSummary) -> None:
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         console.print(f"  [bold]{key:<{width}}[/]  {escape(value)}", soft_wrap=True, highlight=False)
+
+
+def _skipped(lines: list[str], shown: int = 3) -> str:
+    more = f", and {len(lines) - shown} more" if len(lines) > shown else ""
+    listed = f"{'; '.join(lines[:shown])}{more}"
+    return f"{len(lines)} unreadable, left out: {listed} (all: MLflow artifact {records.SKIPPED_FILES})"
 
 
 def _train_longer(summary: RunSummary) -> str:

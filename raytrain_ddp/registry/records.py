@@ -22,6 +22,9 @@ PROMOTED_TAG = "raytrain_ddp.promoted"
 MODEL_ARTIFACT = "model"
 GENERATED_FILE = "generated.json"  # what the model generated at each evaluation (generate_samples)
 STOPPED_EARLY_TAG = "raytrain_ddp.stopped_early"  # on the MLflow run that early stopping ended: why
+# On a run of streams that left unreadable files out (data.max_bad_files): how many, and their names.
+SKIPPED_FILES_TAG = "raytrain_ddp.skipped_files"
+SKIPPED_FILES = "skipped_files.txt"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from raytrain_ddp.config.schema import Config
 from raytrain_ddp.registry.endpoint import check_server, mlflow_client, sqlite_file
-from raytrain_ddp.registry.records import GENERATED_FILE, RUN_NAME_TAG, RUN_PATH_TAG, STOPPED_EARLY_TAG
+from raytrain_ddp.registry.records import (
+    GENERATED_FILE,
+    RUN_NAME_TAG,
+    RUN_PATH_TAG,
+    SKIPPED_FILES,
+    SKIPPED_FILES_TAG,
+    STOPPED_EARLY_TAG,
+)
 from raytrain_ddp.registry.sqlite_store import put_new_database_in_place
 from raytrain_ddp.worker.metrics import GENERATED, STOPPED_EARLY
 
@@ -187,6 +194,14 @@ def log_texts(config: Config, run_id: str, texts: dict[str, str]) -> None:
     client = mlflow_client(config.mlflow.tracking_uri)
     for file_name, text in texts.items():
         client.log_text(run_id, text, file_name)
+
+
+def log_skipped(config: Config, run_id: str, lines: list[str]) -> None:
+    """The unreadable files a run left out, a line each: their count as a tag of the run (beside the
+    per-epoch `data_bad_files` metric: the files found in reading), their lines as an artifact."""
+    client = mlflow_client(config.mlflow.tracking_uri)
+    client.set_tag(run_id, SKIPPED_FILES_TAG, str(len(lines)))
+    client.log_text(run_id, "\n".join(lines) + "\n", SKIPPED_FILES)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from raytrain_ddp.data import seeds
 from raytrain_ddp.worker.early_stopping import EarlyStopping
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.metrics import (
+    BAD_FILES,
     GENERATED,
     SINCE_BEST,
     STOPPED,
@@ -257,7 +258,7 @@ def evaluate_and_checkpoint(
         bad_files = None
         if worker.data.reads_files:
             read, bad_files = _stream_read(worker)
-            metrics |= {"data_rows_read": read, "data_bad_files": len(bad_files)}
+            metrics |= {"data_rows_read": read, "data_bad_files": len(bad_files), BAD_FILES: bad_files}
         problem = _stop_reason(metrics, config.checkpoint.score_attribute) or _too_many_bad(bad_files, config)
         if problem is not None:
             ray.train.report({**metrics, STOPPED: problem})

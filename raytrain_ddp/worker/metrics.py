@@ -54,6 +54,7 @@ STOPPED_EARLY = "stopped_early"  # only in the report that ends a run early (ear
 SINCE_BEST = "evals_since_best"  # evaluations since the score last improved (early_stopping.py)
 STORAGE_RETRIED = "storage_retried"  # only in rank 0's report, after transient storage errors were retried
 GENERATED = "generated"  # only in rank 0's report, with a recipe's generate_samples: [{column: text}]
+BAD_FILES = "data_bad_file_names"  # a stream's: the files the ranks skipped as unreadable in the epoch
 
 
 def reported_metrics(val_names: Iterable[str], counts_tokens: bool, counts_flops: bool = False) -> set[str]:

@@ -249,6 +249,7 @@ def test_a_run_that_does_not_fit_next_to_another_names_it_and_gives_up_or_is_ref
     assert "the workers' resources did not come within 8 s (run.resources_wait_s)" in said
     assert re.search(r"held by run holder \(job \w+, 2 workers × \{CPU: 1\.5\}\)", said), said[-3000:]
     assert re.search(r"^resume: raytrain-ddp train .* run\.name=second", waited.stderr, re.M), waited.stderr[-3000:]
+    assert "nothing saved yet (no checkpoint in " in waited.stderr  # the command below it starts the run over
 
     assert holder.returncode == 1, held[-3000:]  # the final failure names the lost node, as each failure line does
     final = r"^error: run holder failed: node \S+ \(id \w{8}\) was lost, with rank [01] \(rank"

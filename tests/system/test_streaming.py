@@ -7,6 +7,7 @@ resumes exactly without reading again what it had trained.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -92,11 +93,11 @@ def _copy(images: Path, tmp_path: Path) -> Path:
 
 
 def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_images(
-    ray_session, workspace, tmp_path, digits_png
+    ray_session, workspace, tmp_path, digits_png, capsys
 ):
     """The digits as PNG files, plus one that is not an image: with data.max_bad_files=1 the run
-    trains, counts it in every report and in MLflow, and learns; the registered model takes decoded
-    images as they are."""
+    trains, counts it in every report and in MLflow, names it in its summary and in an MLflow
+    artifact, and learns; the registered model takes decoded images as they are."""
     images = _copy(digits_png, tmp_path)
     (images / "train" / "3" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
     started = time.perf_counter()
@@ -117,6 +118,15 @@ def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_i
     client = mlflow.tracking.MlflowClient(summary.tracking_uri)
     history = client.get_metric_history(summary.mlflow_run_id, "data_bad_files")
     assert [m.value for m in history] == [1.0] * 4  # one per epoch's report
+    broken = f"train: {images / 'train' / '3' / 'broken.png'}: unreadable when read"
+    assert summary.skipped_files == [broken]
+    said = capsys.readouterr().out
+    row = r"^  skipped files +1 unreadable, left out: train: .*broken\.png: unreadable when read \(all: MLflow "
+    assert re.search(row, said, re.M), said[-3000:]
+    logged = client.get_run(summary.mlflow_run_id).data
+    assert logged.tags["raytrain_ddp.skipped_files"] == "1" and "data.skipped_files" not in logged.params
+    assert client.download_artifacts(summary.mlflow_run_id, "skipped_files.txt", str(tmp_path)).endswith(".txt")
+    assert (tmp_path / "skipped_files.txt").read_text() == broken + "\n"
     mlflow.set_tracking_uri(summary.tracking_uri)
     model = mlflow.pyfunc.load_model(summary.model.uri)
     pngs = sorted((images / "val").rglob("*.png"))[:40]
