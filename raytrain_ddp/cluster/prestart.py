@@ -57,9 +57,9 @@ def worker_runtime_env(config: Config) -> dict:
 def ahead(config: Config) -> None:
     """What the run starts ahead once the driver has joined Ray (`session.connect`; the command's
     `session.start`, on its thread, while the command still imports torch and Ray Train): the workers'
-    processes (`start`). (Ray's autoscaling coordinator, which the controller waits for on a cluster's
-    first run, is not created ahead: measured, that bought less than half a second, and cost a run on
-    a Ray of its own, where every run is the first, 0.7 s: docs/ray-versions.md.)"""
+    processes (`start`). Not Ray's autoscaling coordinator, which the controller waits for on a
+    cluster's first run: created ahead it competed with this start on a Ray of its own, where every
+    run is the first, and bought less than half a second elsewhere (docs/ray-versions.md)."""
     start(config)
 
 

@@ -94,9 +94,7 @@ def run(
             policy = plan.config.mlflow.register
             registration = register_best(plan, trained.best_checkpoints, run_id, console, policy)
             clock.mark("registered")
-    summary = replace(
-        _summarize(plan, trained, registration, run_id, time.monotonic() - started), skipped_files=skipped
-    )
+    summary = _summarize(plan, trained, registration, run_id, skipped, time.monotonic() - started)
     show(console, summary)
     _keep_timeline(plan, clock, console, verbose)
     return summary
@@ -297,7 +295,9 @@ def _already_finished(standing: planning.Standing, registration: Registration, w
     )
 
 
-def _summarize(plan: Plan, trained: Trained, registration: Registration, run_id: str, wall_time_s: float) -> RunSummary:
+def _summarize(
+    plan: Plan, trained: Trained, registration: Registration, run_id: str, skipped: list[str], wall_time_s: float
+) -> RunSummary:
     config = plan.config
     return RunSummary(
         run_name=config.run.name,
@@ -320,4 +320,5 @@ def _summarize(plan: Plan, trained: Trained, registration: Registration, run_id:
         failures=trained.failures,
         stopped_early=trained.stopped_early,
         patience_spent=trained.patience_spent,
+        skipped_files=skipped,
     )

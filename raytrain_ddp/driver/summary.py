@@ -36,9 +36,7 @@ class RunSummary:
     already_finished: bool = False  # the run had finished before, its registration decided: nothing was done
     stopped_early: str | None = None  # why early stopping ended the run before train.epochs (None: it did not)
     patience_spent: bool = False  # early stopping's patience is spent (maybe at the last epoch): more epochs end
-    skipped_files: list[str] = field(
-        default_factory=list
-    )  # unreadable files left out (data.max_bad_files), a line each
+    skipped_files: list[str] = field(default_factory=list)  # unreadable files left out, a line each
 
 
 def show(console: Console, summary: RunSummary) -> None:
