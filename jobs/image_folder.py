@@ -2,14 +2,16 @@
 augments while training goes (never all in memory), from a local path, NFS or s3://.
 
 The layout is `<dataset.path>/train/<class>/<image>` and `<dataset.path>/val/<class>/<image>` (PNG,
-JPEG, ...; classes in sorted order are labels 0, 1, ...). `dataset.prepare: digits` first writes
+JPEG, ...; classes in sorted order are labels 0, 1, ...). The data decides the model's outputs (one per
+class folder: model.num_classes, and data.class_names, registered with the model) and its input channels
+(model.channels, from dataset.grayscale): `derive_settings`. `dataset.prepare: digits` first writes
 scikit-learn's 1,797 handwritten digits there as PNG files in that layout, where the path has none
 yet, so the job runs on a fresh machine; `prepare: none` trains on what is there (FashionMNIST or
 ImageNet exported as image files, say).
 
     raytrain-ddp train image_folder                                   # digits as PNG files, written first
     raytrain-ddp train image_folder dataset.path=s3://bucket/images dataset.prepare=none \\
-        dataset.size=[224,224] dataset.grayscale=false model.channels=3 scaling.use_gpu=true
+        dataset.size=[224,224] dataset.grayscale=false scaling.use_gpu=true
 
 Training images get a random crop (after `crop_padding` pixels of reflection) and a horizontal flip
 (`flip`), drawn from a generator seeded by (seed, epoch, image): the same in every run with the
@@ -57,6 +59,15 @@ def build_model(
     return nn.Sequential(ChannelsFirst(), Standardize(127.5, 64.0), resnet)
 
 
+def derive_settings(*, path: str, prepare: str, grayscale: bool) -> dict:
+    """What the images decide, read before Ray starts: one output per class folder under `path`/train,
+    named by it, and the channels `grayscale` gives."""
+    if prepare == "digits":
+        write_digits(path)
+    classes = stream.ImageFolder(f"{path}/train").class_names()
+    return {"model.num_classes": len(classes), "model.channels": 1 if grayscale else 3, "data.class_names": classes}
+
+
 def build_datasets(
     *,
     seed: int,
@@ -72,8 +83,8 @@ def build_datasets(
     if prepare == "digits":
         write_digits(path)
     images = partial(stream.ImageFolder, size=tuple(size), mode="L" if grayscale else "RGB")
-    augment = partial(random_crop_flip, padding=crop_padding, flip=flip)
-    return {"train": images(f"{path}/train", transform=augment), "val": images(f"{path}/val")}
+    train = images(f"{path}/train", transform=partial(random_crop_flip, padding=crop_padding, flip=flip))
+    return {"train": train, "val": images(f"{path}/val", classes=train.class_names())}
 
 
 def random_crop_flip(row: dict[str, np.ndarray], rng: np.random.Generator, padding: int, flip: bool) -> dict:

@@ -8,8 +8,11 @@ scikit-learn's 1,797 handwritten digits there in that form (64 pixel values a ro
 split, with an id and a source column beside them), where the path has no train folder yet.
 
     raytrain-ddp train parquet_table                                     # digits as Parquet shards, written first
-    raytrain-ddp train parquet_table dataset.path=s3://bucket/table dataset.prepare=none \\
-        model.num_features=128 model.num_classes=7
+    raytrain-ddp train parquet_table dataset.path=s3://bucket/table dataset.prepare=none
+
+The data decides the model's shape (`derive_settings`): model.num_features is the length of the first
+row's features, model.num_classes the largest label plus one (the footers' statistics); name the
+classes with data.class_names=[...] to register their names with the model.
 
 Each shard's footer gives its rows; within each worker's share, rows are shuffled in windows of
 train.local_shuffle_buffer_size (raytrain_ddp/data/stream.py). The model standardizes its input with the
@@ -50,6 +53,18 @@ def build_model(
         nn.ReLU(),
         nn.Linear(hidden, num_classes),
     )
+
+
+def derive_settings(*, path: str, prepare: str) -> dict:
+    """What the shards decide, read before Ray starts: the features' length (the first row's) and one
+    output per label, 0 ... the largest (the footers' statistics)."""
+    if prepare == "digits":
+        write_digits(path)
+    train = stream.Parquet(f"{path}/train", columns=COLUMNS)
+    lowest, highest = train.column_range("label")
+    if lowest < 0:
+        raise ValueError(f"{path}/train: labels must be 0 ... num_classes - 1, found {lowest}")
+    return {"model.num_features": len(train.first_rows(1)["features"][0]), "model.num_classes": int(highest) + 1}
 
 
 def build_datasets(*, seed: int, path: str, prepare: Literal["digits", "none"] = "digits") -> dict:

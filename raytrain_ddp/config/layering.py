@@ -83,6 +83,43 @@ def job_config(config: Config) -> Config:
     return _validate(Origin(origin.job, origin.job_layers), complete=False)
 
 
+def with_data_settings(config: Config, settings: Mapping[str, Any], source: str) -> Config:
+    """`config` with the settings its data decides (`{"model.num_classes": 3}`, from `source`): they
+    take the place of the job's YAML and the defaults. One that a layer above them (a --config file, an
+    override) sets to another value is refused, naming both. What the run decided beyond its layers
+    (its resolved name and paths) is kept: only the sections of `settings` are validated anew."""
+    origin = origin_of(config)
+    layer = Layer(source, _nested(settings))
+    data = _validate(Origin(origin.job, (*origin.job_layers, layer)), complete=False).flat()
+    given = {".".join(path): layer.source for layer in origin.layers for path in flatten(layer.data)}
+    current = config.flat()
+    problems = [
+        f"{key}={yaml_value(current.get(key))} (from {given[key]}) disagrees with {source}, which gives "
+        f"{key}={yaml_value(data[key])}: leave {key} out (the data sets it) or set {key}={yaml_value(data[key])}"
+        for key in settings
+        if key in given and current.get(key) != data[key]
+    ]
+    if problems:
+        raise ConfigError(config.job, problems)
+    derived = Origin(origin.job, (*origin.job_layers, layer), origin.layers)
+    fresh = _validate(derived)
+    updated = config.model_copy(update={section: getattr(fresh, section) for section in layer.data})
+    updated._origin = derived
+    return updated
+
+
+def _nested(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"model.num_classes": 3}` as `{"model": {"num_classes": 3}}`."""
+    nested: dict[str, Any] = {}
+    for key, value in settings.items():
+        *sections, name = key.split(".")
+        inner = nested
+        for section in sections:
+            inner = inner.setdefault(section, {})
+        inner[name] = value
+    return nested
+
+
 def origin_of(config: Config) -> Origin:
     """How `config` was made; for a config rebuilt from a dict (a checkpoint's), its job is found and
     read now, and the dict is the layer over the job's own."""
@@ -95,7 +132,7 @@ def origin_of(config: Config) -> Origin:
 def overrides_against(config: Config, base: Config) -> list[str]:
     """The `key=value` overrides that turn `base` into `config`."""
     before = base.flat()
-    return [f"{key}={_yaml_value(value)}" for key, value in config.flat().items() if before.get(key) != value]
+    return [f"{key}={yaml_value(value)}" for key, value in config.flat().items() if before.get(key) != value]
 
 
 def _validate(origin: Origin, complete: bool = True) -> Config:
@@ -215,7 +252,10 @@ def _parse_override(override: str) -> dict[str, Any]:
     return value
 
 
-def _yaml_value(value: Any) -> str:
+def yaml_value(value: Any) -> str:
+    """`value` as a `key=value` override writes it (a tuple as a list)."""
+    if isinstance(value, tuple):
+        value = list(value)
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 

@@ -13,6 +13,10 @@ plain functions with keyword-only arguments:
 
 and, optionally:
 
+    derive_settings(**dataset) -> {"model.key": value}     # settings the data decides (classes, channels,
+                                                           # features, data.class_names), read before Ray
+                                                           # starts: a value the user set that differs is
+                                                           # refused, naming both; the job's YAML gives way
     count_tokens(batch) -> int                             # tokens in a batch: reports tokens/s
     artifacts(model) -> {file name: text}                  # logged to MLflow with the registered model
     derived_metrics({name: global value}) -> {name: value} # from evaluate's means, e.g. perplexity = exp(loss)
@@ -73,6 +77,7 @@ if TYPE_CHECKING:
 
 REQUIRED = ("build_model", "build_datasets", "compute_loss", "evaluate")
 OPTIONAL = (
+    "derive_settings",
     "model_input",
     "count_tokens",
     "artifacts",
@@ -107,6 +112,7 @@ class Recipe:
     build_datasets: Callable[..., Any]
     compute_loss: Callable[..., Any]
     evaluate: Callable[..., Any]
+    derive_settings: Callable[..., dict[str, Any]] | None = None
     model_input: Callable[..., Any] | None = None
     count_tokens: Callable[..., int] | None = None
     artifacts: Callable[..., dict[str, str]] | None = None
@@ -128,6 +134,14 @@ class Recipe:
             self.build_model, dict(config.model), precision=config.train.precision, fitted=fitted
         )
         return (self.build_empty_model if empty else self.build_model)(**kwargs)
+
+    def derived_from(self, config: Config) -> dict[str, Any]:
+        """The dataset settings derive_settings takes: those it names (all, if it takes **dataset), and
+        `seed` and `model` as build_datasets gets them."""
+        params = inspect.signature(self.derive_settings).parameters
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        dataset = {k: v for k, v in config.dataset.items() if takes_all or k in params}
+        return _with_service_kwargs(self.derive_settings, dataset, seed=config.seed, model=dict(config.model))
 
     def make_datasets(self, config: Config) -> Any:
         kwargs = _with_service_kwargs(self.build_datasets, dict(config.dataset), model=dict(config.model))

@@ -102,7 +102,15 @@ class TrainSettings(_Section):
 
 class DataSettings(_Section):
     """Streamed datasets (raytrain_ddp.data.stream): how each worker's reading pipeline may use the cluster,
-    and what it does with a file it cannot read."""
+    and what it does with a file it cannot read; and what the labels mean."""
+
+    class_names: list[str] | None = Field(
+        None,
+        min_length=2,
+        description="what each of a classifier's outputs means, in order: registered with the model and named "
+        "in its predictions; jobs that read them from the data (image_folder: the class folders) set it; "
+        "null = unnamed",
+    )
 
     max_bad_files: int = Field(
         0,
@@ -127,6 +135,13 @@ class DataSettings(_Section):
         description="node labels the reading tasks need, e.g. {role: data} for nodes started with "
         "--labels role=data; {} = any node",
     )
+
+    @field_validator("class_names")
+    @classmethod
+    def _named_once(cls, names: list[str] | None) -> list[str] | None:
+        if names is not None and (twice := sorted({n for n in names if names.count(n) > 1})):
+            raise ValueError(f"each class once: {', '.join(map(repr, twice))} named twice")
+        return names
 
 
 class ScalingSettings(_Section):

@@ -162,20 +162,32 @@ class Stream:
 class ImageFolder(Stream):
     """Images in class folders, `<path>/<class>/<file>` (any depth below the class). Each image is
     decoded with Pillow, converted to `mode` ("RGB", "L" for grayscale) and, with `size` (height,
-    width), resized, so that images of different sizes stack into batches."""
+    width), resized, so that images of different sizes stack into batches. The labels are the class
+    folders' indices in `classes` (default: the folders found, sorted): a validation set names the
+    training set's, so that a class it lacks does not move the others' labels."""
 
     size: tuple[int, int] | None = None
     mode: Literal["RGB", "L"] = "RGB"
     extensions: tuple[str, ...] = IMAGE_EXTENSIONS
+    classes: tuple[str, ...] | None = None
 
     one_row_per_file = True
     _what = f"images ({', '.join(IMAGE_EXTENSIONS)}) in class folders"
 
+    def class_names(self) -> tuple[str, ...]:
+        """The class folders that hold images, sorted: the labels 0, 1, ... (listed now)."""
+        return self._list().classes
+
     def _list(self) -> Manifest:
         fs, root = _filesystem(self.path)
-        files = _files_under(fs, root, self.extensions)
-        classes = sorted({_relative(root, f).split("/")[0] for f in files if "/" in _relative(root, f)})
-        files = [f for f in files if "/" in _relative(root, f)]  # images directly in root have no class
+        files = [f for f in _files_under(fs, root, self.extensions) if "/" in _relative(root, f)]  # else no class
+        found = sorted({_relative(root, f).split("/")[0] for f in files})
+        classes = found if self.classes is None else list(self.classes)
+        if unknown := [name for name in found if name not in classes]:
+            raise BadFile(
+                f"{self.path}: class folder(s) {', '.join(unknown)} not among the {len(classes)} classes "
+                f"it is read with ({', '.join(classes)}): each class folder must be one of the training set's"
+            )
         index = {name: i for i, name in enumerate(classes)}
         labels = np.array([index[_relative(root, f).split("/")[0]] for f in files], dtype=np.int64)
         uris = tuple(_uri(self.path, root, f) for f in files)
@@ -234,6 +246,34 @@ class Parquet(Stream):
             except BadFile:  # listing the files names it, and data.max_bad_files decides
                 continue
         return concatenate(rows)
+
+    def column_range(self, name: str) -> tuple[Any, Any]:
+        """The smallest and largest value of column `name` over every file (listed now): from the
+        footers' statistics where every row group has them, else by reading that column alone."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        fs, root = _filesystem(self.path)
+        ranges = []
+        for path in _files_under(fs, root, (".parquet",)):
+            try:
+                with fs.open_input_file(path) as f:
+                    parquet = pq.ParquetFile(f)
+                    if (index := parquet.schema_arrow.get_field_index(name)) < 0:
+                        continue
+                    stats = [
+                        parquet.metadata.row_group(g).column(index).statistics for g in range(parquet.num_row_groups)
+                    ]
+                    if all(g is not None and g.has_min_max for g in stats):
+                        ranges += [(g.min, g.max) for g in stats]
+                    elif (column := parquet.read(columns=[name]).column(0)).length():
+                        found = pc.min_max(column)
+                        ranges.append((found["min"].as_py(), found["max"].as_py()))
+            except Exception:  # noqa: BLE001 - a file it cannot read: listing the files names it, and
+                continue  # data.max_bad_files decides
+        if not ranges:
+            raise BadFile(f"{self.path}: no rows to read (no {self._what} found there)")
+        return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
 
     def _rows(self, fs, path: str) -> tuple[int | None, str | None]:
         """A file's rows from its footer, or why it cannot be used."""

@@ -27,6 +27,7 @@ from rich.markup import escape
 from raytrain_ddp.checkpoint.format import position, rank
 from raytrain_ddp.cluster import capacity
 from raytrain_ddp.cluster.session import ELASTIC_PLACEMENT_WAIT_S
+from raytrain_ddp.config.layering import yaml_value
 from raytrain_ddp.controller.callbacks import ControllerMarks, ProgressRelay, one_line
 from raytrain_ddp.data import stream
 from raytrain_ddp.driver.progress import Progress
@@ -350,6 +351,9 @@ def show_plan(console: Console, plan: Plan) -> None:
         f"{t.batch_size}{accumulation}, {plan.train_rows} training rows ({steps} steps/epoch){resuming}, "
         f"checkpoints in {plan.run_path}"
     )
+    if plan.derived:
+        found = ", ".join(f"{key}={yaml_value(value)}" for key, value in plan.derived.items())
+        console.print(f"[dim]from the data: {escape(found)}[/]", highlight=False)
     for skipped in resume.skipped:
         console.print(f"[yellow]skipped checkpoint[/] {escape(str(skipped))}")
     for name, dataset in plan.datasets.items():

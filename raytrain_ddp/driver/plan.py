@@ -32,6 +32,7 @@ from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, ConfigError
 from raytrain_ddp.errors import RunFailed
 from raytrain_ddp.preflight import checks as preflight
+from raytrain_ddp.preflight.recipe_check import where
 from raytrain_ddp.preflight.resume import resume_conflicts
 from raytrain_ddp.registry import endpoint
 from raytrain_ddp.worker.early_stopping import ended_early
@@ -61,6 +62,7 @@ class Standing:
     resume: ResumePoint
     address: ray_address.RayAddress
     named: bool  # run.name was given (not made up for a new run)
+    derived: dict[str, Any] = field(default_factory=dict)  # the settings the data decided (derive_settings)
 
     @property
     def finished(self) -> bool:
@@ -90,6 +92,7 @@ class Plan:
     resume_command: str  # continues this run
     extend_command: str  # continues it with train.epochs=N: trains it longer
     named: bool = True  # run.name was given (not made up for a new run)
+    derived: dict[str, Any] = field(default_factory=dict)  # the settings the data decided (derive_settings)
     flops: ModelFlops = ModelFlops()  # what a training step costs: found by the pre-flight check (flops.py)
 
     @property
@@ -106,12 +109,39 @@ def stand(config: Config) -> Standing:
     config = _resolve(config, layering.origin_of(config).job.name)
     run_path = config.run.path
     address = preflight.check_before_ray(config, run_path)
+    config, derived = from_the_data(config)
     resume = resume_point(run_path, config)
     if resume.saved_config is not None and (conflicts := resume_conflicts(resume.saved_config, config)):
         raise ConfigError(
             config.job, [f"{c} (resuming {run_path}; or start a new run: run.name=null)" for c in conflicts]
         )
-    return Standing(config, run_path, resume, address, named)
+    return Standing(config, run_path, resume, address, named, derived)
+
+
+# What a recipe's derive_settings may decide: the model's shape, and what its outputs mean.
+DERIVABLE = ("model.", "data.class_names")
+
+
+def from_the_data(config: Config) -> tuple[Config, dict[str, Any]]:
+    """`config` with the settings the recipe's `derive_settings` reads from the data, and those
+    settings; a recipe that cannot read them, or a value the user set that differs, is a ConfigError."""
+    recipe = layering.origin_of(config).recipe
+    if recipe.derive_settings is None:
+        return config, {}
+    kwargs = recipe.derived_from(config)
+    try:
+        derived = dict(recipe.derive_settings(**kwargs))
+    except Exception as e:  # noqa: BLE001 - whatever the recipe raises, with its own message
+        failed = f"recipe {recipe.name}: {where(recipe.derive_settings, 'derive_settings', e)} failed"
+        raise ConfigError(config.job, [f"{failed}: {type(e).__name__}: {e}"]) from e
+    if wrong := [key for key in derived if not key.startswith(DERIVABLE)]:
+        allowed = "model.* and data.class_names"
+        raise ConfigError(
+            config.job, [f"recipe {recipe.name}: derive_settings may set {allowed}, not {', '.join(wrong)}"]
+        )
+    read = ", ".join(f"dataset.{k}={layering.yaml_value(v)}" for k, v in kwargs.items() if k in config.dataset)
+    config = layering.with_data_settings(config, derived, f"the data ({read})")
+    return config, {key: config.flat()[key] for key in derived}  # as validated: a tuple of names is a list
 
 
 def finished_config(run_path: str, tracking_uri: str | None) -> Config:

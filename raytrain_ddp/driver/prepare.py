@@ -54,6 +54,7 @@ def make(standing: Standing, *, verbose: bool, console: Console, clock: Timeline
         resume_command=resume_command(config),
         extend_command=resume_command(config, epochs="N"),
         named=standing.named,
+        derived=standing.derived,
     )
 
 

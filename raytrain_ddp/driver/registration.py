@@ -213,6 +213,8 @@ def register_checkpoint(
             return Registration(best.location, metrics, None, note, []), best.skipped
         saved = json.dumps(best.verified.config(), sort_keys=True).encode()  # what trained it, resumes included
         made_of = {**made_of, "raytrain_ddp.config_sha256": hashlib.sha256(saved).hexdigest()}
+        if names := config.data.class_names:
+            made_of[records.CLASS_NAMES_TAG] = json.dumps(names)
         model = recipe.make_model(config, fitted)  # the checkpoint's buffers then replace what was fitted
         ckpt.load_weights(model, best.verified.model_state())
     model.eval()
@@ -221,11 +223,11 @@ def register_checkpoint(
     else:  # two rows, so the exported model keeps a dynamic batch dimension
         log = partial(model_logging.log_pytorch_model, model, recipe.model_input(example).numpy())
     registered = model_registry.register_model(config, run_id, best.location, _score(config, metrics), log, made_of)
-    artifacts = {}
+    artifacts = {records.CLASS_NAMES: json.dumps(config.data.class_names, indent=1)} if config.data.class_names else {}
     if recipe.artifacts is not None:
         with torch.no_grad():
-            artifacts = recipe.artifacts(model)
-        tracking.log_texts(config, run_id, artifacts)
+            artifacts |= recipe.artifacts(model)
+    tracking.log_texts(config, run_id, artifacts)
     return Registration(best.location, metrics, registered, note, sorted(artifacts)), best.skipped
 
 

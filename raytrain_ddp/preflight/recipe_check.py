@@ -5,6 +5,7 @@ what one training step of it costs (its FLOPs, worker/flops.py)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from raytrain_ddp.config.layering import yaml_value
 from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, ConfigError
 from raytrain_ddp.worker import flops
@@ -59,7 +61,8 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
     with torch.no_grad():
         metrics = calls.run("evaluate", recipe.evaluate, model, example)
         if recipe.model_input is not None and recipe.log_model is None and not meta:
-            calls.run("model_input", lambda: model(recipe.model_input(example)))
+            output = calls.run("model_input", lambda: model(recipe.model_input(example)))
+            calls.expect("model_input", _class_names_problem(config, output))
         if recipe.generate_samples is not None and not meta:
             calls.run("generate_samples", recipe.generate_samples, model, example)
     tokens = None
@@ -70,7 +73,7 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
     if metrics is not None:
         calls.expect("evaluate", _metrics_problem(metrics))
     if calls.problems:
-        raise RecipeFailed(recipe, calls.problems)
+        raise RecipeFailed(recipe, calls.problems + mismatch_hint(config, example, calls.errors))
     val_names = list(metrics)
     if recipe.derived_metrics is not None:
         val_names += list(calls.run("derived_metrics", recipe.derived_metrics, dict.fromkeys(val_names, 1.0)) or {})
@@ -95,13 +98,14 @@ class _RecipeCalls:
     function, and the recipe file's line: where it raised, or where the function starts."""
 
     def __init__(self, recipe: Recipe):
-        self.recipe, self.problems = recipe, []
+        self.recipe, self.problems, self.errors = recipe, [], []
 
     def run(self, name: str, fn, *args, **kwargs) -> Any:
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the recipe's own error, located in its file
             self.problems.append(f"{self._where(name, e)} raised {type(e).__name__}: {e}")
+            self.errors.append(e)
             return None
 
     def expect(self, name: str, problem: str | None) -> None:
@@ -110,6 +114,32 @@ class _RecipeCalls:
 
     def _where(self, name: str, error: BaseException | None = None) -> str:
         return where(getattr(self.recipe, name), name, error)
+
+
+# torch's words for rows the model cannot take: a shape (channels, features, classes) or a dtype.
+_MISMATCH = re.compile(r"shape|size|channels|dimension|mat1|dtype|scalar type|expected", re.IGNORECASE)
+
+
+def mismatch_hint(config: Config, example: Mapping[str, torch.Tensor], errors: list[BaseException]) -> list[str]:
+    """Where torch refused the data's rows for the model's shape or dtype: what each side is and the
+    settings that decide it (the data: dataset.*, the model: model.*), so the message names the key to set."""
+    if not any(isinstance(e, RuntimeError) and _MISMATCH.search(str(e)) for e in errors):
+        return []
+    rows = ", ".join(
+        f"{name} {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+        for name, t in example.items()
+        if isinstance(t, torch.Tensor)
+    )
+    settings = ", ".join(
+        f"{section}.{k}={yaml_value(v)}"
+        for section in ("dataset", "model")
+        for k, v in getattr(config, section).items()
+    )
+    return [
+        f"the data and the model disagree: two validation rows are {rows}, and the model is built for something "
+        f"else; the settings that decide them: {settings}; set the model.* key that matches the data "
+        f"(channels, features, classes), or the dataset.* key that gives the rows the model expects"
+    ]
 
 
 def where(fn: Any, name: str, error: BaseException | None = None) -> str:
@@ -157,6 +187,17 @@ def _model_flops(
         return ModelFlops()
     rows = len(next(iter(example.values())))
     return ModelFlops.of_step(float(step), rows, tokens, "the recipe's count_flops")
+
+
+def _class_names_problem(config: Config, output: Any) -> str | None:
+    """data.class_names names each of a classifier's outputs: as many as the model gives a row."""
+    names = config.data.class_names
+    if names is None or not isinstance(output, torch.Tensor) or output.ndim != 2 or output.shape[1] == len(names):
+        return None
+    return (
+        f"gives {output.shape[1]} outputs a row, and data.class_names names {len(names)}: set one of them to "
+        f"agree with the other (the model.* key of its classes, or data.class_names)"
+    )
 
 
 def _loss_problem(loss: Any, meta: bool) -> str | None:

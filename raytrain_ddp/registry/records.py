@@ -25,6 +25,9 @@ STOPPED_EARLY_TAG = "raytrain_ddp.stopped_early"  # on the MLflow run that early
 # On a run of streams that left unreadable files out (data.max_bad_files): how many, and their names.
 SKIPPED_FILES_TAG = "raytrain_ddp.skipped_files"
 SKIPPED_FILES = "skipped_files.txt"
+# On each registered version of a classifier, and beside its model: data.class_names, output by output.
+CLASS_NAMES_TAG = "raytrain_ddp.class_names"
+CLASS_NAMES = "class_names.json"
 
 
 @dataclass(frozen=True)

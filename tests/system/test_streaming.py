@@ -88,52 +88,72 @@ def digits_png(tmp_path_factory) -> Path:
     return path
 
 
-def _copy(images: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(images, tmp_path / "images"))
+# Three of the digits as a user's own classes: RGB files in folders named by the user.
+NAMED = {"0": "zero", "1": "one", "2": "two"}
+
+
+def _named_rgb(digits_png: Path, tmp_path: Path) -> Path:
+    """Digits 0, 1 and 2 as RGB PNG files in the folders `NAMED` gives them."""
+    for png in digits_png.glob("*/[012]/*.png"):
+        split, digit = png.parts[-3], png.parts[-2]
+        folder = tmp_path / "images" / split / NAMED[digit]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.open(png).convert("RGB").save(folder / png.name)
+    return tmp_path / "images"
 
 
 def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_images(
     ray_session, workspace, tmp_path, digits_png, capsys
 ):
-    """The digits as PNG files, plus one that is not an image: with data.max_bad_files=1 the run
-    trains, counts it in every report and in MLflow, names it in its summary and in an MLflow
-    artifact, and learns; the registered model takes decoded images as they are."""
-    images = _copy(digits_png, tmp_path)
-    (images / "train" / "3" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    """Three classes of RGB PNG files, plus one that is not an image, and no model settings: the data
+    gives a 3-class, 3-channel model and the classes' names. With data.max_bad_files=1 the run trains,
+    counts the broken file in every report and in MLflow, names it in its summary and in an MLflow
+    artifact, and learns; the registered model takes decoded images as they are, and carries the
+    names of its outputs."""
+    images = _named_rgb(digits_png, tmp_path)
+    (images / "train" / "two" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
     started = time.perf_counter()
     summary = _run(
         workspace,
         "image_folder",
         f"dataset.path={images}",
+        "dataset.prepare=none",
+        "dataset.grayscale=false",
         "dataset.size=[8,8]",
-        "train.epochs=4",
+        "train.epochs=6",
         "data.max_bad_files=1",
     )
     wall_s = time.perf_counter() - started
 
+    said = capsys.readouterr().out
+    names = ["one", "two", "zero"]  # the folders' names, sorted: outputs 0, 1, 2
+    assert "from the data: model.num_classes=3, model.channels=3, data.class_names=[one, two, zero]" in said
     assert summary.final_metrics["val_accuracy"] >= 0.85, summary.final_metrics
     assert summary.final_metrics["data_bad_files"] == 1
     train_files = sum(1 for _ in (images / "train").rglob("*.png"))  # the broken one included
     assert summary.final_metrics["train_samples"] == train_files // 2 * 2 - 1  # equal shares, less the broken row
     client = mlflow.tracking.MlflowClient(summary.tracking_uri)
     history = client.get_metric_history(summary.mlflow_run_id, "data_bad_files")
-    assert [m.value for m in history] == [1.0] * 4  # one per epoch's report
-    broken = f"train: {images / 'train' / '3' / 'broken.png'}: unreadable when read"
+    assert [m.value for m in history] == [1.0] * 6  # one per epoch's report
+    broken = f"train: {images / 'train' / 'two' / 'broken.png'}: unreadable when read"
     assert summary.skipped_files == [broken]
-    said = capsys.readouterr().out
     row = r"^  skipped files +1 unreadable, left out: train: .*broken\.png: unreadable when read \(all: MLflow "
     assert re.search(row, said, re.M), said[-3000:]
     logged = client.get_run(summary.mlflow_run_id).data
     assert logged.tags["raytrain_ddp.skipped_files"] == "1" and "data.skipped_files" not in logged.params
     assert client.download_artifacts(summary.mlflow_run_id, "skipped_files.txt", str(tmp_path)).endswith(".txt")
     assert (tmp_path / "skipped_files.txt").read_text() == broken + "\n"
+    version = client.get_model_version(summary.model.name, str(summary.model.version))
+    assert json.loads(version.tags["raytrain_ddp.class_names"]) == names
+    client.download_artifacts(summary.mlflow_run_id, "class_names.json", str(tmp_path))
+    assert json.loads((tmp_path / "class_names.json").read_text()) == names
     mlflow.set_tracking_uri(summary.tracking_uri)
     model = mlflow.pyfunc.load_model(summary.model.uri)
-    pngs = sorted((images / "val").rglob("*.png"))[:40]
-    raw = np.stack([np.asarray(Image.open(p).convert("L").resize((8, 8))) for p in pngs])
-    labels = np.array([int(p.parent.name) for p in pngs])
-    assert (model.predict(raw).argmax(axis=1) == labels).mean() >= 0.8
-    print(f"image_folder: {train_files} train files, 4 epochs, {wall_s:.0f} s, {summary.final_metrics}")
+    pngs = sorted((images / "val").rglob("*.png"))[::3]
+    raw = np.stack([np.asarray(Image.open(p).convert("RGB").resize((8, 8))) for p in pngs])
+    predicted = [names[i] for i in model.predict(raw).argmax(axis=1)]
+    assert np.mean([name == p.parent.name for name, p in zip(predicted, pngs)]) >= 0.8
+    print(f"image_folder: {train_files} train files, 6 epochs, {wall_s:.0f} s, {summary.final_metrics}")
 
 
 def test_a_corrupt_image_stops_the_run_naming_it(ray_session, workspace, tmp_path, digits_png):
