@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel
 
 from raytrain_ddp.cluster import ray_address
+from raytrain_ddp.config import layering, signatures
 from raytrain_ddp.config import recipe as recipes
 from raytrain_ddp.config.layering import load_config
 from raytrain_ddp.config.schema import Config, ConfigError
@@ -124,8 +125,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
-        return 0
+        return _print_config(config)
     address = ray_address.check_environment()
     if address.problem:  # in a second, before torch and Ray load
         print(f"error: {ConfigError(config.job, [address.problem])}", file=sys.stderr)
@@ -152,6 +152,21 @@ def _train(args: argparse.Namespace) -> int:
         return _exit_status(functools.partial(run, timeline=clock), config, args.verbose, session)
     finally:
         _leave_ray()
+
+
+def _print_config(config: Config) -> int:
+    """The resolved config; where the recipe derives settings from its data, with them (its data read,
+    the recipe imported: seconds, not a fifth of one)."""
+    if signatures.defines(layering.origin_of(config).job.files.recipe, "derive_settings"):
+        from raytrain_ddp.driver.plan import from_the_data
+
+        try:
+            config, _ = from_the_data(config)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+    return 0
 
 
 def _import_the_run(session: typing.Any) -> typing.Any:

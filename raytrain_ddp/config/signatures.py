@@ -42,6 +42,16 @@ def read(recipe: Path) -> dict[str, inspect.Signature] | None:
         return None
 
 
+def defines(recipe: Path, function: str) -> bool:
+    """Whether the recipe file defines `function` at its top level (read, not imported); True where
+    its source cannot be parsed, so that the caller imports it and finds out."""
+    try:
+        tree = ast.parse(recipe.read_text(), filename=str(recipe))
+    except (SyntaxError, OSError, ValueError):
+        return True
+    return any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == function for node in tree.body)
+
+
 def _top_level(tree: ast.Module) -> list[ast.stmt]:
     """Every statement that runs at import: the module's, and those nested in its if/try/with/for blocks."""
     found, todo = [], list(tree.body)

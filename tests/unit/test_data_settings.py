@@ -138,3 +138,13 @@ def test_class_names_that_do_not_match_the_models_outputs_are_refused_in_pre_fli
 
     with pytest.raises(RecipeFailed, match="gives 10 outputs a row, and data.class_names names 3"):
         check_recipe(config, recipe, example)
+
+
+def test_print_config_shows_what_the_data_gives(pets, capsys):
+    from raytrain_ddp.cli import main
+
+    code = main(["train", "image_folder", f"dataset.path={pets}", "dataset.prepare=none", "--print-config"])
+
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "model:\n  num_classes: 3\n  channels: 1\n" in printed and "  class_names:\n  - cat\n  - dog\n" in printed
