@@ -141,6 +141,8 @@ class DataSettings(_Section):
     def _named_once(cls, names: list[str] | None) -> list[str] | None:
         if names is not None and (twice := sorted({n for n in names if names.count(n) > 1})):
             raise ValueError(f"each class once: {', '.join(map(repr, twice))} named twice")
+        if names is not None and "class" in names:  # registry/named_outputs.py's column of the likeliest class
+            raise ValueError("'class' names the column of each row's most likely class in predictions: rename it")
         return names
 
 

@@ -220,7 +220,10 @@ def register_checkpoint(
     model.eval()
     if recipe.log_model is not None:
         log = partial(recipe.log_model, model)
-    else:  # two rows, so the exported model keeps a dynamic batch dimension
+    elif config.data.class_names:  # two rows, so the exported model keeps a dynamic batch dimension
+        rows = recipe.model_input(example).numpy()
+        log = partial(model_logging.log_classifier, model, rows, config.data.class_names)
+    else:
         log = partial(model_logging.log_pytorch_model, model, recipe.model_input(example).numpy())
     registered = model_registry.register_model(config, run_id, best.location, _score(config, metrics), log, made_of)
     artifacts = {records.CLASS_NAMES: json.dumps(config.data.class_names, indent=1)} if config.data.class_names else {}

@@ -94,6 +94,40 @@ def log_pytorch_model(model: torch.nn.Module, input_example: np.ndarray, *, name
     return mlflow.pytorch.log_model(model, name=name, **model_files(input_example, output))
 
 
+def log_classifier(model: torch.nn.Module, input_example: np.ndarray, class_names: list[str], *, name: str) -> Any:
+    """A classifier with `class_names`: the PyTorch model as `log_pytorch_model` saves it, inside an
+    MLflow model that answers with each row's class and its scores by name (`named_outputs.py`,
+    logged as the model's code). Its signature names the outputs and leaves the input to the model's
+    own check (a short message for rows that are not a batch of the trained size: MLflow's schema
+    refusal prints the whole input first); the PyTorch model inside keeps its signature and example."""
+    import json
+    from pathlib import Path
+
+    import mlflow.pyfunc
+    import mlflow.pytorch
+    from mlflow.models import infer_signature
+    from mlflow.models.signature import ModelSignature
+
+    from raytrain_ddp.registry import named_outputs
+
+    with torch.no_grad():
+        output = model(torch.from_numpy(input_example)).numpy()
+    files = model_files(input_example, output)
+    answers = infer_signature(input_example, named_outputs.named(output, class_names)).outputs
+    with tempfile.TemporaryDirectory() as directory:
+        mlflow.pytorch.save_model(model, f"{directory}/pytorch", **files)
+        described = Path(directory, "outputs.json")
+        rows = {"row_shape": input_example.shape[1:], "dtype": str(input_example.dtype)}
+        described.write_text(json.dumps({"class_names": class_names, **rows}))
+        return mlflow.pyfunc.log_model(
+            name=name,
+            python_model=named_outputs.__file__,
+            artifacts={"pytorch": f"{directory}/pytorch", "outputs": str(described)},
+            signature=ModelSignature(inputs=None, outputs=answers),
+            pip_requirements=files["pip_requirements"],
+        )
+
+
 def model_files(input_example: np.ndarray, output: np.ndarray) -> dict[str, Any]:
     """What a logged PyTorch model is saved with beside its weights: signature, input example, requirements."""
     from mlflow.models import infer_signature

@@ -148,3 +148,10 @@ def test_print_config_shows_what_the_data_gives(pets, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     assert "model:\n  num_classes: 3\n  channels: 1\n" in printed and "  class_names:\n  - cat\n  - dog\n" in printed
+
+
+def test_class_names_are_each_named_once_and_not_class(pets):
+    with pytest.raises(ConfigError, match="each class once: 'dog' named twice"):
+        _image_folder(pets, "data.class_names=[dog, cat, dog]")
+    with pytest.raises(ConfigError, match="'class' names the column of each row's most likely class"):
+        _image_folder(pets, "data.class_names=[class, cat]")
