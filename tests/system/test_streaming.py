@@ -6,6 +6,7 @@ resumes exactly without reading again what it had trained.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -102,23 +103,43 @@ def _named_rgb(digits_png: Path, tmp_path: Path) -> Path:
     return tmp_path / "images"
 
 
+def _readme_images() -> tuple[list[str], str]:
+    """The README's "Your own images": its command's overrides, and the Python that calls the model."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## Your own images", 1)[1].split("\n## ", 1)[0]
+    command = re.search(r"`raytrain-ddp\s+train image_folder ([^`]*)`", section).group(1).split()
+    [python] = re.findall(r"```python\n(.*?)```", section, re.S)
+    return command, python
+
+
+def _answers(python: str, namespace: dict) -> object:
+    """What the README's Python gives: its last line is the expression that answers."""
+    module = ast.parse(python)
+    module.body[-1] = ast.Assign([ast.Name("answers", ast.Store())], module.body[-1].value, lineno=0)
+    exec(compile(ast.fix_missing_locations(module), "README.md", "exec"), namespace)
+    return namespace["answers"]
+
+
 def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_images(
     ray_session, workspace, tmp_path, digits_png, capsys
 ):
-    """Three classes of RGB PNG files, plus one that is not an image, and no model settings: the data
-    gives a 3-class, 3-channel model and the classes' names. With data.max_bad_files=1 the run trains,
+    """Three classes of RGB PNG files, plus one that is not an image, trained as the README's "Your
+    own images" says (its command, with small images for time) and no model settings: the data gives
+    a 3-class, 3-channel model and the classes' names. With data.max_bad_files=1 the run trains,
     counts the broken file in every report and in MLflow, names it in its summary and in an MLflow
-    artifact, and learns; the registered model takes decoded images as they are, and carries the
-    names of its outputs."""
+    artifact, and learns; the registered model, called as the README calls it, answers raw decoded
+    images with their classes and scores by name, and a single image with a short message."""
     images = _named_rgb(digits_png, tmp_path)
     (images / "train" / "two" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    command, python = _readme_images()
+    assert {"dataset.prepare=none", "dataset.grayscale=false", "dataset.size=[64,64]"} <= set(command), command
+    readme = [o for o in command if not o.startswith(("dataset.path=", "dataset.size="))]
     started = time.perf_counter()
     summary = _run(
         workspace,
         "image_folder",
+        *readme,
         f"dataset.path={images}",
-        "dataset.prepare=none",
-        "dataset.grayscale=false",
         "dataset.size=[8,8]",
         "train.epochs=6",
         "data.max_bad_files=1",
@@ -148,11 +169,16 @@ def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_i
     client.download_artifacts(summary.mlflow_run_id, "class_names.json", str(tmp_path))
     assert json.loads((tmp_path / "class_names.json").read_text()) == names
     mlflow.set_tracking_uri(summary.tracking_uri)
-    model = mlflow.pyfunc.load_model(summary.model.uri)
     pngs = sorted((images / "val").rglob("*.png"))[::3]
-    raw = np.stack([np.asarray(Image.open(p).convert("RGB").resize((8, 8))) for p in pngs])
-    predicted = [names[i] for i in model.predict(raw).argmax(axis=1)]
-    assert np.mean([name == p.parent.name for name, p in zip(predicted, pngs)]) >= 0.8
+    sized = python.replace("(64, 64)", "(8, 8)")  # the size trained here
+    answers = _answers(sized, {"np": np, "Image": Image, "mlflow": mlflow, "files": pngs})
+    assert list(answers.columns) == ["class", *names]
+    assert (answers["class"] == answers[names].idxmax(axis=1)).all()
+    assert np.mean([name == p.parent.name for name, p in zip(answers["class"], pngs)]) >= 0.8
+    model = mlflow.pyfunc.load_model(summary.model.uri)
+    one = np.asarray(Image.open(pngs[0]).convert("RGB").resize((8, 8)))
+    with pytest.raises(Exception, match=r"expects a batch of rows of 8 × 8 × 3 .*got an input of shape \(8, 8, 3\)"):
+        model.predict(one)  # one image, not a batch
     print(f"image_folder: {train_files} train files, 6 epochs, {wall_s:.0f} s, {summary.final_metrics}")
 
 
