@@ -147,7 +147,7 @@ def test_sbatch_trains_on_the_allocation_and_a_stopped_or_cancelled_job_resumes_
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
 
     first = slurm.sbatch(tmp_path, *args)
-    wait_until(lambda: (runs / "epoch_0001").exists(), 300, "epoch 1's checkpoint")
+    _wait_for_the_job(slurm, tmp_path, first, lambda: (runs / "epoch_0001").exists(), "epoch 1's checkpoint")
     raylets = [p for p in processes_with(f"{slurm.root}/ray-{first}-") if p.name() == "raylet"]
     kept = [p.environ().get("RAY_idle_worker_killing_time_threshold_ms") for p in raylets]
     assert kept == ["60000", "60000"], kept  # each node keeps an idle worker process a minute
@@ -164,7 +164,7 @@ def test_sbatch_trains_on_the_allocation_and_a_stopped_or_cancelled_job_resumes_
     resumed_at = max(p.name for p in runs.glob("epoch_????"))  # job 1's newest: looked for before job 2 runs
     second = slurm.sbatch(tmp_path, *args)
     after = int(resumed_at[-4:]) + 1
-    wait_until(lambda: (runs / f"epoch_{after:04d}").exists(), 300, f"epoch {after}'s checkpoint")
+    _wait_for_the_job(slurm, tmp_path, second, lambda: (runs / f"epoch_{after:04d}").exists(), f"epoch {after}")
     slurm.run("scancel", second)
     slurm.wait_for(second, ("CANCELLED",), 120)
     wait_until(lambda: not processes_with(f"{slurm.root}/ray-{second}-"), 60, "job 2's Ray to stop")
@@ -183,6 +183,17 @@ def test_sbatch_trains_on_the_allocation_and_a_stopped_or_cancelled_job_resumes_
     assert run.info.status == "FINISHED"
     assert not processes_with(f"{slurm.root}/ray-{third}-"), "Ray stopped with the job"
     print(f"\nslurm: the job that resumed at {latest} took {wall:.0f} s, sbatch to COMPLETED")
+
+
+def _wait_for_the_job(slurm: Slurm, directory: Path, job_id: str, ready, what: str) -> None:
+    """Wait for `what` of job `job_id`; if it does not come, fail with the ends of the job's log and
+    of its Ray nodes' logs (the Slurm root, where they are, goes with the fixture)."""
+    try:
+        wait_until(ready, 300, what)
+    except TimeoutError as e:
+        logs = [directory / f"raytrain-{job_id}.log", *sorted(slurm.root.glob(f"ray-{job_id}-*.log"))]
+        tails = "\n".join(f"--- {log.name}:\n{log.read_text()[-2000:]}" for log in logs if log.is_file())
+        raise AssertionError(f"{e}; job {slurm.job(job_id).get('JobState')}\n{tails}") from None
 
 
 def _log(directory: Path, job_id: str) -> str:
