@@ -91,7 +91,7 @@ def with_data_settings(config: Config, settings: Mapping[str, Any], source: str)
     origin = origin_of(config)
     layer = Layer(source, _nested(settings))
     data = _validate(Origin(origin.job, (*origin.job_layers, layer)), complete=False).flat()
-    given = {".".join(path): layer.source for layer in origin.layers for path in flatten(layer.data)}
+    given = {".".join(path): above.source for above in origin.layers for path in flatten(above.data)}
     current = config.flat()
     problems = [
         f"{key}={yaml_value(current.get(key))} (from {given[key]}) disagrees with {source}, which gives "

@@ -141,7 +141,8 @@ def from_the_data(config: Config) -> tuple[Config, dict[str, Any]]:
         )
     read = ", ".join(f"dataset.{k}={layering.yaml_value(v)}" for k, v in kwargs.items() if k in config.dataset)
     config = layering.with_data_settings(config, derived, f"the data ({read})")
-    return config, {key: config.flat()[key] for key in derived}  # as validated: a tuple of names is a list
+    flat = config.flat()
+    return config, {key: flat[key] for key in derived}  # as validated: a tuple of names is a list
 
 
 def finished_config(run_path: str, tracking_uri: str | None) -> Config:
