@@ -28,6 +28,7 @@ from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.config import recipe as recipes
 
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
+README = Path(__file__).parents[2] / "README.md"
 # Tiny's table as 5 Parquet shards a split; each rank's share shuffled in windows of 2 batches.
 STREAMED = (*RELIABLE, "dataset.source=parquet", "train.local_shuffle_buffer_size=16")
 
@@ -103,13 +104,20 @@ def _named_rgb(digits_png: Path, tmp_path: Path) -> Path:
     return tmp_path / "images"
 
 
-def _readme_images() -> tuple[list[str], str]:
-    """The README's "Your own images": its command's overrides, and the Python that calls the model."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## Your own images", 1)[1].split("\n## ", 1)[0]
-    command = re.search(r"`raytrain-ddp\s+train image_folder ([^`]*)`", section).group(1).split()
+def _readme(job: str) -> tuple[list[str], str]:
+    """The README's "Your own images or table" for `job`: its command's overrides, and the Python that
+    calls its model (the statements after the other job's call, up to its own)."""
+    section = README.read_text().split("## Your own images or table", 1)[1].split("\n## ", 1)[0]
+    command = re.search(rf"^raytrain-ddp train {job} (.*)$", section, re.M).group(1).split()
     [python] = re.findall(r"```python\n(.*?)```", section, re.S)
-    return command, python
+    statements, own = [], []
+    for statement in ast.parse(python).body:
+        own.append(ast.get_source_segment(python, statement))
+        if "load_model(" in own[-1]:
+            statements.append(own)
+            own = []
+    [calls] = [lines for lines in statements if job.replace("_", "-") in lines[-1]]
+    return command, "\n".join(calls)
 
 
 def _answers(python: str, namespace: dict) -> object:
@@ -131,7 +139,7 @@ def test_image_folder_learns_from_png_files_skips_a_corrupt_one_and_serves_raw_i
     images with their classes and scores by name, and a single image with a short message."""
     images = _named_rgb(digits_png, tmp_path)
     (images / "train" / "two" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
-    command, python = _readme_images()
+    command, python = _readme("image_folder")
     assert {"dataset.prepare=none", "dataset.grayscale=false", "dataset.size=[64,64]"} <= set(command), command
     readme = [o for o in command if not o.startswith(("dataset.path=", "dataset.size="))]
     started = time.perf_counter()
@@ -197,18 +205,63 @@ def test_a_corrupt_image_stops_the_run_naming_it(ray_session, workspace, tmp_pat
     assert "data.max_bad_files" in message
 
 
-def test_parquet_table_learns_reading_only_its_columns_and_refuses_a_truncated_shard_before_training(
-    ray_session, workspace, tmp_path
-):
-    table = tmp_path / "digits-parquet"
-    summary = _run(workspace, "parquet_table", f"dataset.path={table}", "train.epochs=8")
-    assert summary.final_metrics["val_accuracy"] >= 0.9, summary.final_metrics
+def _wine_parquet(root: Path) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's wine table as a user's own Parquet shards (3 a split, with an id and a source
+    column the job must not read); returns the validation rows and labels."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from sklearn.datasets import load_wine
 
-    shard = table / "train" / "part-003.parquet"
+    features, labels = load_wine(return_X_y=True)
+    in_val = np.arange(len(labels)) % 4 == 0
+    for split, rows in (("train", np.flatnonzero(~in_val)), ("val", np.flatnonzero(in_val))):
+        (root / split).mkdir(parents=True)
+        for k, part in enumerate(np.array_split(rows, 3)):
+            columns = {"id": part, "features": list(features[part].astype(np.float32)), "label": labels[part]}
+            pq.write_table(pa.table(columns | {"source": ["load_wine"] * len(part)}), root / split / f"{k}.parquet")
+    return features[in_val].astype(np.float32), labels[in_val]
+
+
+def test_parquet_table_on_a_users_shards_reads_only_its_columns_serves_named_classes_and_refuses_a_truncated_shard(
+    ray_session, workspace, tmp_path, capsys
+):
+    """The README's "your own table": wine's 3 classes as Parquet shards, trained with its command (the
+    class names included) and no model settings: the shards give 13 features and 3 classes; the
+    registered model, called with the README's Python and with its HTTP request (MLflow's scoring
+    server, the app `mlflow models serve` runs, called in-process), answers raw rows by class name."""
+    from fastapi.testclient import TestClient
+    from mlflow.pyfunc import scoring_server
+
+    table = tmp_path / "table"
+    rows, labels = _wine_parquet(table)
+    command, python = _readme("parquet_table")
+    assert {"dataset.prepare=none", "dataset.path=table"} <= set(command), command
+    [named] = [o for o in command if o.startswith("data.class_names=")]
+    names = named.split("=", 1)[1].strip("[]").split(",")
+    readme = [o for o in command if o != "dataset.path=table"]
+    summary = _run(workspace, "parquet_table", *readme, f"dataset.path={table}", "train.batch_size=8", "train.epochs=8")
+
+    assert "from the data: model.num_features=13, model.num_classes=3" in capsys.readouterr().out
+    assert summary.final_metrics["val_accuracy"] >= 0.9, summary.final_metrics
+    mlflow.set_tracking_uri(summary.tracking_uri)
+    answers = _answers(python, {"mlflow": mlflow, "rows": rows})
+    assert list(answers.columns) == ["class", *names]
+    assert np.mean(answers["class"].to_numpy() == np.array(names)[labels]) >= 0.9
+    http = re.search(r"POST `(.*?)`\s+to `(/invocations)`", README.read_text())
+    assert http.group(1) == '{"inputs": rows.tolist()}'
+    served = TestClient(scoring_server.init(mlflow.pyfunc.load_model(summary.model.uri))).post(
+        http.group(2), json={"inputs": rows.tolist()}
+    )
+    assert served.status_code == 200, served.text
+    predictions = served.json()["predictions"]
+    assert [p["class"] for p in predictions] == answers["class"].tolist()
+    assert set(predictions[0]) == {"class", *names}
+
+    shard = table / "train" / "2.parquet"
     shard.write_bytes(shard.read_bytes()[:100])
     (tmp_path / "again").mkdir()
     again = type(workspace)(tmp_path / "again", workspace.store)  # a workspace that nothing has written to
-    with pytest.raises(ConfigError, match=r"part-003\.parquet: not a readable Parquet file.*data\.max_bad_files=1"):
+    with pytest.raises(ConfigError, match=r"2\.parquet: not a readable Parquet file.*data\.max_bad_files=1"):
         _run(again, "parquet_table", f"dataset.path={table}", "dataset.prepare=none")
     assert again.untouched()
 
