@@ -5,12 +5,15 @@ adapters by default, every weight with `model.lora_r=0`.
     raytrain-ddp train chat_sft model.path=HuggingFaceTB/SmolLM2-135M-Instruct dataset.path=s3://bucket/chats/ \
         scaling.use_gpu=true train.precision=bf16 model.gradient_checkpointing=true
 
-Conversations are rows `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`
-(JSONL, or Parquet with that column), read with Ray Data and rendered with the tokenizer's chat template
-(the tokenizer is the one saved with the model). Only the assistant turns are trained, each with its
-end-of-turn token: labels are -100 on system and user turns and on padding. A conversation cut by
-`dataset.max_length` so that no assistant token is left is dropped and counted; a malformed one stops
-the run before training, named.
+Rows are conversations `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`,
+prompt/completion pairs `{"prompt", "completion"}` (strings, or lists of messages) or plain `{"text"}`,
+told apart by their fields (or `dataset.kind`), from JSONL or Parquet, read with Ray Data. Conversations
+are rendered with the chat template of the tokenizer saved with the model, any template: the rules that
+find the trained tokens are raytrain_ddp/data/chat.py's. The assistant turns are trained (a
+completion's, not its prompt's), each with its end-of-turn token; a completion or a text with the
+end-of-sequence token; labels are -100 everywhere else and on padding. A row cut by `dataset.max_length`
+so that no trained token is left is dropped and counted; a malformed one stops the run before
+training, named.
 
 The loss is a sum over trained tokens with their count (see `compute_loss`), so the service divides a
 step's gradient by the trained tokens of the whole global batch, whatever the lengths, micro-batches
@@ -38,8 +41,9 @@ import torch.nn.functional as F
 from pydantic import AfterValidator, Field
 from torch import nn
 
-IGNORE = -100  # the label of a token that is not trained (cross_entropy's ignore_index)
-ROLES = ("system", "user", "assistant")
+from raytrain_ddp.data import chat
+
+IGNORE = chat.IGNORE  # the label of a token that is not trained (cross_entropy's ignore_index)
 SAMPLE_TOKENS = 48  # at most, per answer to a validation prompt
 
 
@@ -110,10 +114,7 @@ def _tokenizer(path: str):
     # with the recipe, which workers cannot import.
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.chat_template is None:
-        raise ValueError(f"model.path={path}: the tokenizer has no chat template; use a chat (instruct) model")
-    return tokenizer
+    return AutoTokenizer.from_pretrained(path)
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -128,52 +129,96 @@ def build_datasets(
     val_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1,
     max_length: Annotated[int, Field(ge=8)] = 1024,
     format: Literal["auto", "jsonl", "parquet"] = "auto",
+    kind: Literal["auto", "messages", "prompt_completion", "text"] = "auto",
+    packing: Literal["none", "bfd"] = "none",
 ) -> dict[str, ray.data.Dataset]:
-    """Conversations at `path` (a file or a directory, local or s3://), tokenized with model.path's
-    tokenizer; validation from `val_path`, or `val_fraction` of them held out (chosen by `seed`).
-    `format` auto: .jsonl/.json files are JSON lines, anything else Parquet."""
+    """Rows at `path` (a file or a directory, local or s3://), tokenized with model.path's tokenizer;
+    validation from `val_path`, or `val_fraction` of them held out (chosen by `seed`). `format` auto:
+    .jsonl/.json files are JSON lines, anything else Parquet. `kind`: what a row holds (chat.py's
+    formats); auto tells them apart by their fields. `packing` bfd: the training rows packed into rows
+    of `max_length` tokens (chat.pack; validation stays a row each)."""
     tokenizer_path = model["path"]
-    _tokenizer(tokenizer_path)  # a missing tokenizer or chat template: said here, not in a Ray task
-    train = _read(path, format)
+    tokenizer = _tokenizer(tokenizer_path)
+    _check_template(tokenizer, tokenizer_path, kind)  # said here, before any Ray task reads a row
+    train = _read(path, format, kind, "dataset.path")
     if val_path is None:
         train, val = train.train_test_split(test_size=val_fraction, shuffle=True, seed=seed)
     else:
-        val = _read(val_path, format)
-    return {
-        "train": _tokenized(train, tokenizer_path, max_length, "dataset.path"),
-        "val": _tokenized(val, tokenizer_path, max_length, "dataset.val_path" if val_path else "dataset.path"),
-    }
+        val = _read(val_path, format, kind, "dataset.val_path")
+    settings = {"tokenizer_path": tokenizer_path, "max_length": max_length, "kind": kind}
+    train = _tokenized(train, settings, "dataset.path")
+    if packing == "bfd":
+        train = _packed(train, max_length, _pad_id(tokenizer))
+    return {"train": train, "val": _tokenized(val, settings, "dataset.val_path" if val_path else "dataset.path")}
 
 
-def _read(path: str, format: str) -> ray.data.Dataset:
-    """JSON lines as text, each parsed by the recipe (a row pyarrow could not type, a number for a
-    content say, is then named like any other malformed row); Parquet with its `messages` column."""
-    if format == "jsonl" or (format == "auto" and Path(path).suffix in (".jsonl", ".json")):
-        return ray.data.read_text(path)
-    return ray.data.read_parquet(path, columns=["messages"])
+def _check_template(tokenizer, tokenizer_path: str, kind: str) -> None:
+    """The tokenizer's chat template (where rows may be conversations) can be labelled."""
+    if kind == "text" or (kind != "messages" and not tokenizer.chat_template):
+        return  # a conversation among the rows is then refused as a malformed row, saying why
+    try:
+        chat.check_template(tokenizer)
+    except chat.LabelError as e:
+        raise ValueError(f"model.path={tokenizer_path}: {e}") from None
 
 
-def _tokenized(conversations: ray.data.Dataset, tokenizer_path: str, max_length: int, key: str) -> ray.data.Dataset:
-    """Token ids, labels and length of each conversation, right-padded to `max_length`. Malformed rows
-    stop the run here, named; rows with no assistant token left after truncation are dropped, counted."""
-    rows = conversations.map_batches(
-        _tokenize_batch,
-        fn_kwargs={"tokenizer_path": tokenizer_path, "max_length": max_length},
-        batch_format="pyarrow",
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+PACK_ROWS = 4096  # rows packed together: bins are filled from this many at a time
+
+
+def _packed(rows: ray.data.Dataset, max_length: int, pad: int) -> ray.data.Dataset:
+    """The rows packed into rows of `max_length` tokens, best-fit decreasing (chat.pack), deterministic."""
+    before = rows.count()
+    packed = rows.map_batches(
+        chat.pack, fn_kwargs={"capacity": max_length, "pad": pad}, batch_size=PACK_ROWS, batch_format="numpy"
     ).materialize()
+    after, tokens = packed.count(), packed.sum("length")
+    print(
+        f"dataset.path: {before} rows packed into {after} rows of dataset.max_length={max_length} tokens "
+        f"({tokens / (after * max_length):.0%} of them tokens, the rest padding)"
+    )
+    return packed
+
+
+COLUMNS = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "text": ["text"]}
+
+
+def _read(path: str, format: str, kind: str, key: str) -> ray.data.Dataset:
+    """JSON lines as text, each parsed by the recipe (a row pyarrow could not type, a number for a
+    content say, is then named like any other malformed row); Parquet with the columns of its kind."""
+    if format == "jsonl" or (format == "auto" and Path(path).suffix in (".jsonl", ".json")):
+        return ray.data.read_text(path).rename_columns({"text": "line"})  # a JSON line, not a row's text
+    table = ray.data.read_parquet(path)
+    names = table.schema().names
+    kinds = [kind] if kind != "auto" else list(COLUMNS)
+    for candidate in kinds:
+        if set(COLUMNS[candidate]) <= set(names):
+            return table.select_columns(COLUMNS[candidate])
+    wanted = " or ".join("+".join(COLUMNS[k]) for k in kinds)
+    raise ValueError(f"{key}={path}: the Parquet files have columns {names}, not {wanted} (dataset.kind={kind})")
+
+
+def _tokenized(rows: ray.data.Dataset, settings: dict, key: str) -> ray.data.Dataset:
+    """Token ids, labels and length of each row, right-padded to `max_length`. Malformed rows stop the
+    run here, named; rows with no trained token left after truncation are dropped, counted."""
+    rows = rows.map_batches(_tokenize_batch, fn_kwargs=settings, batch_format="pyarrow").materialize()
     problems = np.concatenate(
         [b["problem"] for b in rows.select_columns(["problem"]).iter_batches(batch_format="numpy")] or [[]]
     )
     malformed = [p for p in problems if p and not p.startswith("dropped")]
+    max_length = settings["max_length"]
     if malformed:
         shown = "\n  ".join(malformed[:5])
-        raise ValueError(f"{key}: {len(malformed)} malformed conversation(s) of {len(problems)}:\n  {shown}")
+        raise ValueError(f"{key}: {len(malformed)} malformed row(s) of {len(problems)}:\n  {shown}")
     dropped = sum(1 for p in problems if p)
     if dropped == len(problems):
-        raise ValueError(f"{key}: no conversation has an assistant token within dataset.max_length={max_length}")
+        raise ValueError(f"{key}: no row has a trained token within dataset.max_length={max_length}")
     if dropped:
         print(
-            f"{key}: dropped {dropped} of {len(problems)} conversations with no assistant token within "
+            f"{key}: dropped {dropped} of {len(problems)} rows with no trained token within "
             f"dataset.max_length={max_length}"
         )
     return rows.map_batches(_kept, batch_format="numpy").materialize()
@@ -184,16 +229,15 @@ def _kept(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v[keep] for k, v in batch.items() if k != "problem"}
 
 
-def _tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int) -> dict[str, np.ndarray]:
+def _tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int, kind: str = "auto") -> dict[str, np.ndarray]:
     tokenizer = _tokenizer(tokenizer_path)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = _pad_id(tokenizer)
     n = batch.num_rows
     ids, labels = np.full((n, max_length), pad, np.int32), np.full((n, max_length), IGNORE, np.int32)
     lengths, problems = np.zeros(n, np.int32), []
-    for i, row in enumerate(_conversations(batch)):
+    for i, row in enumerate(_rows(batch)):
         try:
-            messages = row.get("messages") if isinstance(row, dict) else None
-            row_ids, row_labels = tokenize(messages, tokenizer, max_length)
+            row_ids, row_labels = tokenize(row, tokenizer, max_length, kind)
         except ValueError as e:
             problems.append(f"{e}: {str(row)[:120]}")
             continue
@@ -203,66 +247,39 @@ def _tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int) -> di
     return {"input_ids": ids, "labels": labels, "length": lengths, "problem": np.array(problems, dtype=object)}
 
 
-def _conversations(batch: pa.Table) -> list[object]:
-    """The batch's rows as Python objects: parsed JSON lines, or Parquet's `messages` column."""
-    if "messages" in batch.column_names:
-        return [{"messages": messages} for messages in batch.column("messages").to_pylist()]
+def _rows(batch: pa.Table) -> list[object]:
+    """The batch's rows as Python objects: parsed JSON lines, or Parquet's columns."""
+    if batch.column_names != ["line"]:
+        return batch.to_pylist()
     rows = []
-    for line in batch.column("text").to_pylist():
+    for line in batch.column("line").to_pylist():
         try:
             rows.append(json.loads(line))
         except ValueError:
-            rows.append(line)  # not JSON: refused as a row without 'messages', shown as it is
+            rows.append(line)  # not JSON: refused as a row that is not an object, shown as it is
     return rows
 
 
-def tokenize(messages: object, tokenizer, max_length: int) -> tuple[list[int], list[int]]:
-    """A conversation's token ids and labels, at most `max_length`: every token of each assistant turn
-    (its content and end of turn, as the chat template renders them) is its own label, everything
-    else IGNORE. An assistant turn's tokens are those its message adds to the rendered conversation
-    before it with the generation prompt, so the template must render a prefix of a conversation as a
-    prefix of its tokens (templates that rewrite earlier turns are refused)."""
-    _check(messages)
-
-    def render(turns, prompt=False):
-        return list(
-            tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt, return_dict=False)
-        )
-
-    ids = render(messages)
-    labels = [IGNORE] * len(ids)
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start, upto = len(render(messages[:k], prompt=True)), render(messages[: k + 1])
-        if ids[: len(upto)] != upto or len(upto) < start:
-            raise ValueError("the tokenizer's chat template does not render a conversation's turns as a prefix")
-        labels[start : len(upto)] = upto[start:]
+def tokenize(row: object, tokenizer, max_length: int, kind: str = "auto") -> tuple[list[int], list[int]]:
+    """A row's token ids and labels (chat.py's rules), cut to `max_length`."""
+    ids, labels = chat.label(row, tokenizer, kind)
     return ids[:max_length], labels[:max_length]
-
-
-def _check(messages: object) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' is missing or not a non-empty list")
-    for j, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else None
-            raise ValueError(f"message {j} has role {role!r}; roles are {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"message {j} ({message['role']}) has content that is not a string")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("no assistant message")
 
 
 # ---- training and evaluation -------------------------------------------------------------------
 
 
 def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token logits and their labels, cut to the batch's longest conversation. Right padding under
-    a causal mask: no real token sees a pad, so no attention mask is needed."""
+    """Next-token logits and their labels, cut to the batch's longest row. Right padding under a causal
+    mask: no real token sees a pad, so no attention mask is needed. Packed rows carry position ids that
+    restart at each of their rows: transformers keeps attention within each."""
     n = int(batch["length"].max())
     ids, labels = batch["input_ids"][:, :n].long(), batch["labels"][:, :n].long()
-    logits = model(input_ids=ids).logits
+    positions = batch["position_ids"][:, :n].long() if "position_ids" in batch else None
+    # Packed rows: no KV cache, which would turn transformers' packed-sequence masks off (the driver's
+    # meta model keeps its cache: the masks' test of values cannot run on meta tensors).
+    packed = {} if positions is None else {"position_ids": positions, "use_cache": False}
+    logits = model(input_ids=ids, **packed).logits
     return logits[:, :-1], labels[:, 1:].to(logits.device)
 
 
@@ -298,15 +315,16 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 @torch.no_grad()
 def generate_samples(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[dict[str, str]]:
-    """The model's greedy answer to each row's first prompt (the conversation up to its first assistant
-    turn), beside the reference answer."""
+    """The model's greedy answer to each row's first prompt (the row up to its first trained token: a
+    conversation's first trained assistant turn; a text's first half), beside the reference answer."""
     tokenizer = _tokenizer(model.name_or_path)
     out = []
     for ids, labels, length in zip(batch["input_ids"], batch["labels"], batch["length"]):
         ids, labels = ids[: int(length)].long(), labels[: int(length)]
         trained = (labels != IGNORE).nonzero().flatten()
-        start = int(trained[0])
-        end = start + int((trained - trained[0] == torch.arange(len(trained), device=trained.device)).sum())
+        start = int(trained[0]) or max(1, int(length) // 2)  # a text, trained from its first token: half of it
+        trained = trained[trained >= start]
+        end = start + int((trained - start == torch.arange(len(trained), device=trained.device)).sum())
         generated = model.generate(
             input_ids=ids[None, :start],
             max_new_tokens=SAMPLE_TOKENS,
@@ -327,7 +345,8 @@ def generate_samples(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[d
 
 def log_model(model: nn.Module, *, name: str):
     """The adapters merged into the base (one plain transformers model), logged with the tokenizer as
-    an MLflow transformers chat model (task llm/v1/chat: OpenAI-style chat requests and answers)."""
+    an MLflow transformers chat model (task llm/v1/chat: OpenAI-style chat requests and answers), or,
+    for a tokenizer without a chat template (a model tuned on text), a completions model."""
     import mlflow
     import transformers
 
@@ -337,8 +356,14 @@ def log_model(model: nn.Module, *, name: str):
     return mlflow.transformers.log_model(
         transformers_model={"model": merged, "tokenizer": tokenizer},
         name=name,
-        task="llm/v1/chat",
-        input_example={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16},
+        **(
+            {
+                "task": "llm/v1/chat",
+                "input_example": {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16},
+            }
+            if tokenizer.chat_template
+            else {"task": "llm/v1/completions", "input_example": {"prompt": "Hello", "max_tokens": 16}}
+        ),
         pip_requirements=[
             f"torch=={torch.__version__.split('+')[0]}",
             f"transformers=={transformers.__version__}",

@@ -66,6 +66,12 @@ class TrainSettings(_Section):
         ge=1,
         description="Ray Datasets, streams: rows of a worker's share shuffled together (torch Datasets: fully)",
     )
+    group_by_length: str | None = Field(
+        None,
+        description="Ray Datasets (materialized), streams: the column of each row's length (chat_sft: length); a "
+        "worker's batches are then formed of rows of similar length within each shuffle window "
+        "(local_shuffle_buffer_size rows), in a seeded order: less padding; null = off",
+    )
     num_loader_workers: int = Field(
         0, ge=0, description="torch Dataset path: DataLoader worker processes per training worker; 0 = load in the loop"
     )

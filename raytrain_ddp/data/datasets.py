@@ -7,7 +7,9 @@ Ray Datasets (the usual way; read and preprocessed by Ray Data):
   each rank reads its share of them itself (`stream.Blocks`), planned as a stream's files are: the
   blocks in an order seeded by (seed, epoch), rank r trains rows [r*n, (r+1)*n) of that sequence
   (n = rows // world_size: up to world_size - 1 rows dropped an epoch), shuffled in windows of
-  `train.local_shuffle_buffer_size` rows seeded by (seed, epoch, rank, window); a resumed epoch starts
+  `train.local_shuffle_buffer_size` rows seeded by (seed, epoch, rank, window) (with
+  `train.group_by_length`, each window's rows then grouped into batches of similar length, the batches'
+  order seeded by the same: epoch.by_length); a resumed epoch starts
   at the window of its first untrained batch, and trains the batches an uninterrupted one would.
   `val` in contiguous ranges, each row counted once. No Ray Data execution, no split coordinator, no
   dataset manager: the processes those start cost a run's start seconds on a small machine.
@@ -255,6 +257,7 @@ class WorkerData:
                     shuffle=train.shuffle,
                     shuffle_rows=train.local_shuffle_buffer_size,
                     drop_last=train.drop_last,
+                    group_by=train.group_by_length,
                     **share,
                 ),
                 "val": pipeline.Pipeline(shipped["val"], batch_size=train.eval_batch_size, equal=False, **share),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raytrain_ddp.data.seeds import FILE_ORDER, SHUFFLE, derive_seed
+from raytrain_ddp.data.seeds import FILE_ORDER, LENGTH_GROUPS, SHUFFLE, derive_seed
 from raytrain_ddp.data.stream import Manifest
 
 # The epoch's plan: which rows each rank trains, in which order. Pure functions of their arguments.
@@ -72,6 +72,17 @@ def window_order(rows: int, seed: int, epoch: int, rank: int, window: int, shuff
     if not shuffle:
         return np.arange(rows)
     return np.random.default_rng(derive_seed(seed, SHUFFLE, epoch, rank, window)).permutation(rows)
+
+
+def by_length(slots: np.ndarray, lengths: np.ndarray, batch_size: int, seed: int, epoch: int, rank: int, window: int):
+    """A window's slots regrouped into batches of rows of similar length: longest first (ties in the
+    window's own order), cut into batches, the whole batches in an order seeded by (seed, epoch, rank,
+    window) and the partial one, of the shortest rows, last (where drop_last drops it)."""
+    ordered = slots[np.argsort(-lengths, kind="stable")]
+    whole = len(ordered) // batch_size
+    order = np.random.default_rng(derive_seed(seed, LENGTH_GROUPS, epoch, rank, window)).permutation(whole)
+    batches = ordered[: whole * batch_size].reshape(whole, batch_size)[order].ravel()
+    return np.concatenate([batches, ordered[whole * batch_size :]])
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ class Pipeline:
     shuffle: bool = False
     shuffle_rows: int = 1
     drop_last: bool = False
+    group_by: str | None = None  # the column of each row's length: batches of similar length (train.group_by_length)
     equal: bool = True
     bad_files: set[str] = field(default_factory=set)  # of the epoch being read, on this rank
     rows_read: int = 0  # rows read of the epoch being read, on this rank (from its start or resume point)
@@ -82,7 +83,7 @@ class Pipeline:
         order = planning.file_order(len(m.files), self.seed, epoch, self.shuffle)
         first, end = planning.share(m.total, self.world_size, self.rank, self.equal)
         shuffled = self.shuffle and not self.stream.one_row_per_file
-        window = planning.window_rows(self.batch_size, self.shuffle_rows, shuffled)
+        window = planning.window_rows(self.batch_size, self.shuffle_rows, shuffled or self.group_by is not None)
         skip = first_batch * self.batch_size // window * window  # rows of the share that are not read at all
         most = self.data.task_rows if self.stream.read_in_tasks else max(1, m.total)  # a whole block, read here
         planned = planning.pieces(m, order, first + skip, end, first, most)
@@ -99,6 +100,10 @@ class Pipeline:
             )
             index = np.full(len(slots), -1, dtype=np.int64)
             index[positions - origin] = np.arange(len(positions))
+            if self.group_by is not None:
+                slots = planning.by_length(
+                    slots, self._lengths(rows, index[slots]), size, self.seed, plan.epoch, self.rank, w
+                )
             for b in range(0, len(slots), size):
                 batch = (origin + b) // size
                 if batch < plan.first_batch:
@@ -113,6 +118,12 @@ class Pipeline:
                         where = f"batch {batch} of epoch {plan.epoch + 1} on rank {self.rank}"
                         raise BadFile(f"every row of {where} was unreadable")
                 yield {name: column[taken] for name, column in rows.items()}
+
+    def _lengths(self, rows: Row, taken: np.ndarray) -> np.ndarray:
+        """The group_by column of the rows at `taken` (-1: a row of a skipped file, counted as length 0)."""
+        lengths = np.zeros(len(taken), dtype=np.int64)
+        lengths[taken >= 0] = rows[self.group_by][taken[taken >= 0]] if (taken >= 0).any() else 0
+        return lengths
 
     def _read(self, planned: list[planning.Piece], epoch: int) -> Iterator[Row]:
         import ray

@@ -3,7 +3,7 @@
 
 import numpy as np
 
-SHUFFLE, WORKER_RNG, LOADER, FILE_ORDER = 0, 1, 2, 3  # the purposes derive_seed serves
+SHUFFLE, WORKER_RNG, LOADER, FILE_ORDER, LENGTH_GROUPS = 0, 1, 2, 3, 4  # the purposes derive_seed serves
 
 
 def derive_seed(seed: int, *keys: int) -> int:

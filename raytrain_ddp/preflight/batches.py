@@ -1,5 +1,5 @@
-"""Batch arithmetic before any worker starts: every rank gets whole batches, and a resumed run's
-optimizer steps still add up."""
+"""Batch arithmetic before any worker starts: every rank gets whole batches, a resumed run's optimizer
+steps still add up, and batches grouped by length can be."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from raytrain_ddp.config.schema import Config, worker_counts
+from raytrain_ddp.data import datasets as data
+from raytrain_ddp.data.stream import Blocks
 from raytrain_ddp.worker.optim import batches_per_epoch, optimizer_steps
 
 
@@ -82,3 +84,27 @@ def check_steps(config: Config, saved: Mapping[str, Any] | None, train_rows: int
         f"{was[0]} × {was[1]}: its learning-rate schedule would shift; resume on a number of workers that splits "
         "the rows the same way"
     ]
+
+
+def check_group_by_length(config: Config, datasets: Mapping[str, Any], example: Mapping[str, Any]) -> list[str]:
+    """train.group_by_length names a column of whole numbers that the rows have, of datasets each rank
+    reads itself (a stream's files, a materialized Ray Dataset's blocks): where Ray Train's Ray Data
+    path or a DataLoader reads them, batches are not formed here."""
+    column = config.train.group_by_length
+    if column is None:
+        return []
+    if not (data.is_stream(datasets) or (data.is_ray(datasets) and Blocks.of(datasets["train"]) is not None)):
+        return [
+            f"train.group_by_length: batches are grouped by length from streams and materialized Ray Datasets, "
+            f"not from this job's {type(datasets['train']).__name__}: materialize it in build_datasets, or set "
+            "train.group_by_length=null"
+        ]
+    if column not in example:
+        return [
+            f"train.group_by_length: the rows have no column {column!r} (they have {', '.join(sorted(example))}); "
+            "name the column of each row's length"
+        ]
+    values = example[column]
+    if getattr(values, "ndim", None) != 1 or values.dtype.is_floating_point or values.dtype.is_complex:
+        return [f"train.group_by_length: column {column!r} is not one whole number a row (a length)"]
+    return []

@@ -23,7 +23,7 @@ from raytrain_ddp.checkpoint import lease, storage
 from raytrain_ddp.cluster import ray_address, session
 from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, ConfigError
-from raytrain_ddp.preflight.batches import check_batches, check_steps
+from raytrain_ddp.preflight.batches import check_batches, check_group_by_length, check_steps
 from raytrain_ddp.preflight.cluster import check_free_now, check_labels, check_resources
 from raytrain_ddp.preflight.recipe_check import check_recipe, check_score
 from raytrain_ddp.registry import endpoint
@@ -100,6 +100,7 @@ def check(
     problems = (
         check_score(config, checked.reported)
         + check_batches(config, train_rows)
+        + check_group_by_length(config, datasets, example)
         + check_steps(config, saved_config, train_rows)
         + check_resources(config, datasets)
         + check_labels(config)

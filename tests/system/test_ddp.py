@@ -198,26 +198,29 @@ def _probe(loop_config: dict) -> None:
     }
     seen["blocks_path"] = all_gather(mine)
 
-    # chat_sft's token-summed loss, full fine-tuning: one step of 2 ranks x 4 conversations, and one of 2
-    # ranks x 2 micro-batches x 2; the test compares both with one worker's step over all 8.
+    # chat_sft's token-summed loss, full fine-tuning: one step of 2 ranks x 4 conversations, one of 2
+    # ranks x 2 micro-batches x 2, and one of 2 ranks x their 4 packed into rows (dataset.packing=bfd);
+    # the test compares each with one worker's step over all 8, a row each.
     rank = ray.train.get_context().get_world_rank()
     rows = torch.arange(rank * 4, rank * 4 + 4)
     steps = {
         "ddp": _chat_step(loop_config["chat"], [rows], ddp=True),
         "ddp_accumulated": _chat_step(loop_config["chat"], [rows[:2], rows[2:]], ddp=True),
+        "ddp_packed": _chat_step(loop_config["chat"], [rows], ddp=True, packed=True),
     }
     if rank == 0:  # a local machine: the test reads the files
         Path(loop_config["out"]).write_text(json.dumps(seen))
         torch.save(steps, Path(loop_config["out"]).with_name("chat_steps.pt"))
 
 
-def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False) -> dict:
+def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False, packed: bool = False) -> dict:
     """One SGD step of chat_sft's tiny model (every weight trains) over the first 8 training
-    conversations, taken as `micro_batches` (row indices) by the service's forward_backward and
-    optimizer_step; returns the weights after it."""
+    conversations, taken as `micro_batches` (row indices), each packed into rows of 128 tokens if
+    `packed`, by the service's forward_backward and optimizer_step; returns the weights after it."""
     import importlib.util
 
     from raytrain_ddp.config.schema import DDPSettings, TrainSettings
+    from raytrain_ddp.data import chat
     from raytrain_ddp.worker import step as training
     from raytrain_ddp.worker.optim import Accumulation, Updater
 
@@ -226,7 +229,7 @@ def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False) -> dict:
     spec.loader.exec_module(sft)
     tokenizer = sft._tokenizer(f"{chat_dir}/model")
     conversations = [json.loads(line) for line in Path(chat_dir, "train.jsonl").read_text().splitlines()[:8]]
-    encoded = [sft.tokenize(c["messages"], tokenizer, max_length=128) for c in conversations]
+    encoded = [sft.tokenize(c, tokenizer, max_length=128) for c in conversations]
     batch = {
         "input_ids": torch.full((8, 128), tokenizer.pad_token_id),
         "labels": torch.full((8, 128), sft.IGNORE),
@@ -242,6 +245,9 @@ def _chat_step(chat_dir: str, micro_batches: list, ddp: bool = False) -> dict:
     count = 0
     for i, rows in enumerate(micro_batches):
         part = {name: column[rows] for name, column in batch.items()}
+        if packed:
+            rows_apart = {name: column.numpy() for name, column in part.items()}
+            part = {k: torch.from_numpy(v) for k, v in chat.pack(rows_apart, 128, tokenizer.pad_token_id).items()}
         count = count + training.forward_backward(trained, sft.compute_loss, part, updater, accumulation, i)[1]
     training.optimizer_step(updater, None, count)
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
@@ -359,11 +365,12 @@ def test_a_materialized_datasets_blocks_are_listed_without_executing_it(ray_sess
     assert Blocks.of(ray.data.range(12)) is None
 
 
-def test_a_token_summed_loss_steps_on_2_workers_with_or_without_accumulation_as_1_worker_on_all_rows(probe, tiny_chat):
+def test_a_token_summed_loss_steps_on_2_workers_accumulated_or_packed_as_1_worker_on_all_rows(probe, tiny_chat):
     """Conversations of different lengths: the step is the mean over every trained token of the global
-    batch, not a mean of per-worker or per-micro-batch means."""
+    batch, not a mean of per-worker or per-micro-batch means; packed into rows, the same step."""
     one_worker = _chat_step(str(tiny_chat), [torch.arange(8)])
     torch.testing.assert_close(probe["chat_steps"]["ddp"], one_worker, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(probe["chat_steps"]["ddp_accumulated"], one_worker, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probe["chat_steps"]["ddp_packed"], one_worker, rtol=1e-5, atol=1e-5)
     untrained = _chat_step(str(tiny_chat), [])  # no micro-batch: the weights as loaded
     assert all(not torch.equal(one_worker[name], untrained[name]) for name in one_worker)  # full: every weight

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from raytrain_ddp import ConfigError, load_config, with_overrides
 from raytrain_ddp.config import recipe as recipes
-from raytrain_ddp.preflight.batches import check_batches, check_steps
+from raytrain_ddp.data import stream
+from raytrain_ddp.preflight.batches import check_batches, check_group_by_length, check_steps
 from raytrain_ddp.preflight.checks import check_compile
 from raytrain_ddp.preflight.recipe_check import RecipeCheck, RecipeFailed, check_recipe, check_score
 from raytrain_ddp.preflight.resume import resume_conflicts
@@ -178,6 +182,29 @@ def test_batch_arithmetic_that_fits_passes(tmp_path):
     (tmp_path / "job.py").write_text(RECIPE)
     config = load_config(str(tmp_path / "job.py"), overrides=["train.batch_size=71", "train.grad_accum_steps=1"])
     assert check_batches(config, 142) == []
+
+
+def test_grouping_by_length_needs_a_whole_number_column_of_rows_each_rank_reads_itself(tmp_path):
+    (tmp_path / "job.py").write_text(RECIPE)
+    (tmp_path / "rows").mkdir()
+    pq.write_table(pa.table({"x": [1.0, 2.0], "y": [0, 2]}), tmp_path / "rows" / "part-0.parquet")
+    rows = stream.Parquet(str(tmp_path / "rows"), columns=("x", "y")).listed(max_bad_files=0)
+    streams = {"train": rows, "val": rows}
+
+    def problems(column, datasets=streams, example=EXAMPLE):
+        config = load_config(str(tmp_path / "job.py"), overrides=[f"train.group_by_length={column}"])
+        return check_group_by_length(config, datasets, example)
+
+    assert problems("y") == []
+    assert problems("null") == []
+    assert problems("length") == [
+        "train.group_by_length: the rows have no column 'length' (they have x, y); name the column of each row's length"
+    ]
+    assert problems("x") == ["train.group_by_length: column 'x' is not one whole number a row (a length)"]
+    torch_rows = {"train": TensorDataset(EXAMPLE["x"]), "val": TensorDataset(EXAMPLE["x"])}
+    [refused] = problems("y", datasets=torch_rows)
+    assert "grouped by length from streams and materialized Ray Datasets, not from this job's TensorDataset" in refused
+    assert refused.endswith("or set train.group_by_length=null")
 
 
 def test_compiling_where_torch_cannot_is_refused_with_the_fix(tmp_path, monkeypatch):
