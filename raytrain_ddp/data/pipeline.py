@@ -121,8 +121,9 @@ class Pipeline:
 
     def _lengths(self, rows: Row, taken: np.ndarray) -> np.ndarray:
         """The group_by column of the rows at `taken` (-1: a row of a skipped file, counted as length 0)."""
-        lengths = np.zeros(len(taken), dtype=np.int64)
-        lengths[taken >= 0] = rows[self.group_by][taken[taken >= 0]] if (taken >= 0).any() else 0
+        lengths, read = np.zeros(len(taken), dtype=np.int64), taken >= 0
+        if read.any():
+            lengths[read] = rows[self.group_by][taken[read]]
         return lengths
 
     def _read(self, planned: list[planning.Piece], epoch: int) -> Iterator[Row]:
