@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import AfterValidator, Field
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from raytrain_ddp.data import chat
 
@@ -270,36 +271,76 @@ def tokenize(row: object, tokenizer, max_length: int, kind: str = "auto") -> tup
 
 
 def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token logits and their labels, cut to the batch's longest row. Right padding under a causal
-    mask: no real token sees a pad, so no attention mask is needed. Packed rows carry position ids that
-    restart at each of their rows: transformers keeps attention within each."""
+    """The final hidden state of each position that predicts a trained token, and that token. Rows are
+    cut to the batch's longest; right padding under a causal mask: no real token sees a pad, so no
+    attention mask is needed. Packed rows carry position ids that restart at each of their rows:
+    transformers keeps attention within each. The model computes no logits (`logits_to_keep` of no
+    position): the loss computes those it needs, a chunk at a time (`_token_loss`)."""
     n = int(batch["length"].max())
     ids, labels = batch["input_ids"][:, :n].long(), batch["labels"][:, :n].long()
     positions = batch["position_ids"][:, :n].long() if "position_ids" in batch else None
     # Packed rows: no KV cache, which would turn transformers' packed-sequence masks off (the driver's
     # meta model keeps its cache: the masks' test of values cannot run on meta tensors).
     packed = {} if positions is None else {"position_ids": positions, "use_cache": False}
-    logits = model(input_ids=ids, **packed).logits
-    return logits[:, :-1], labels[:, 1:].to(logits.device)
+    none = torch.empty(0, dtype=torch.long, device=ids.device)
+    out = model(input_ids=ids, logits_to_keep=none, output_hidden_states=True, **packed)
+    hidden, labels = out.hidden_states[-1][:, :-1], labels[:, 1:].to(out.hidden_states[-1].device)
+    if hidden.is_meta:
+        # Shapes only (the driver's check, the FLOP count): every position, as MFU counts the output
+        # layer's FLOPs; which are trained is a value meta tensors do not hold.
+        return hidden.flatten(0, 1), labels.flatten()
+    trained = labels != IGNORE
+    return hidden[trained], labels[trained]
+
+
+LOGITS_PER_CHUNK = 2**25  # the loss's logits held at once (positions x vocabulary): 128 MiB in fp32
+
+
+def _chunks(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor):
+    """The output layer, and the positions in chunks of at most LOGITS_PER_CHUNK logits (one empty
+    chunk where there is no position, so that the output layer is still in the graph: DDP expects a
+    gradient for every parameter)."""
+    head = (model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model).get_output_embeddings()
+    size = max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
+    return head, zip(hidden.split(size), labels.split(size), strict=True)
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE, reduction="sum")
+
+
+def _token_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the cross-entropy of `labels`, their count). Each chunk's logits are made, summed into
+    the loss and freed, then made again in the backward pass (activation checkpointing): the peak is
+    one chunk's logits, not every position's, for one more product by the output layer per trained
+    token (the model made none for prompts and padding)."""
+    head, chunks = _chunks(model, hidden, labels)
+    # Not on meta tensors: the FLOP count counts the model's FLOPs, not the recomputation's
+    again = torch.is_grad_enabled() and not hidden.is_meta
+    loss = sum(
+        checkpoint(_chunk_loss, head, h, y, use_reentrant=False) if again else _chunk_loss(head, h, y)
+        for h, y in chunks
+    )
+    return loss, (labels != IGNORE).sum()
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the trained tokens' cross-entropy, their count): the service divides by the count of the
     whole global batch."""
-    return _token_loss(*_forward(model, batch))
+    return _token_loss(model, *_forward(model, batch))
 
 
 def evaluate(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per trained (assistant) token: loss in nats, and whether the most likely token is the right one."""
-    logits, labels = _forward(model, batch)
-    loss, trained = _token_loss(logits, labels)
-    correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
+    hidden, labels = _forward(model, batch)
+    head, chunks = _chunks(model, hidden, labels)
+    loss = correct = torch.zeros((), device=hidden.device)
+    for h, y in chunks:
+        logits = head(h).float()
+        loss = loss + F.cross_entropy(logits, y, ignore_index=IGNORE, reduction="sum")
+        correct = correct + ((logits.argmax(-1) == y) & (y != IGNORE)).sum()
+    trained = (labels != IGNORE).sum()
     return {"loss": (loss, trained), "token_accuracy": (correct, trained)}
-
-
-def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss, (labels != IGNORE).sum()
 
 
 def derived_metrics(val: dict[str, float]) -> dict[str, float]:

@@ -188,6 +188,29 @@ def test_a_worker_killed_mid_epoch_resumes_exactly(straight, tiny_chat, workspac
     )
 
 
+def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(ray_session, tiny_chat, workspace):
+    """dataset.packing=bfd (and batches grouped by length): 3 epochs, a checkpoint every 2 steps; rank 1
+    SIGKILLed 3 micro-batches into epoch 2 resumes from that epoch's checkpoint and ends with the
+    weights of the run that was never interrupted, bit for bit."""
+    packed = ("dataset.packing=bfd", "train.epochs=3", "checkpoint.every_n_steps=2", "mlflow.register=never")
+    straight = _run("chat_sft", workspace, tiny_chat, *packed, "run.name=packed")
+    per_epoch = int(straight.final_metrics["step"]) // 3
+    unpacked = -(-(240 // 2) // 8)  # 240 conversations, 2 workers, 8 rows a batch
+    assert 0 < per_epoch < unpacked  # fewer rows, so fewer steps
+
+    log = workspace.root / "packed-faults"
+    log.mkdir()
+    kill = ("model.kill_rank=1", f"model.kill_at={per_epoch + 3}", f"model.fault_log={log}", "run.max_failures=1")
+    faulted = _run(FAULTS, workspace, tiny_chat, *packed, *kill, "run.name=packed-faulted")
+
+    assert faulted.attempts == 2
+    assert "rank 1: the worker process died" in faulted.failures[0]
+    assert "restarted from epoch_0002-step_" in faulted.failures[0]
+    final = ckpt.open_verified(Path(faulted.run_path) / "epoch_0003").model_state()
+    expected = ckpt.open_verified(Path(straight.run_path) / "epoch_0003").model_state()
+    torch.testing.assert_close(final, expected, rtol=0, atol=0)
+
+
 def test_a_damaged_adapter_checkpoint_is_skipped_and_the_run_resumes_exactly(straight, tiny_chat, workspace, record):
     """The newest checkpoint of a copy of the finished run loses a byte: training the run again
     resumes from the one before, trains the last epoch into a directory of its own, with the

@@ -295,7 +295,7 @@ def _loss_and_grads(sft, model, batch):
     model.zero_grad()
     loss, count = sft.compute_loss(model, batch)
     loss.backward()
-    return loss.detach(), int(count), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), int(count), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -325,3 +325,53 @@ def test_packed_rows_train_the_same_tokens_with_the_same_loss_and_gradients_as_a
 
     model.forward = forward
     assert not torch.allclose(_loss_and_grads(sft, model, packed)[0], loss, rtol=1e-4)
+
+
+# ---- the loss in chunks -------------------------------------------------------------------------
+
+
+def _reference(model, batch):
+    """The loss of every position's logits at once, as the recipe computed it before chunking."""
+    n = int(batch["length"].max())
+    logits = model(input_ids=batch["input_ids"][:, :n].long()).logits[:, :-1]
+    labels = batch["labels"][:, 1:n].long()
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+    correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
+    return loss, int((labels != IGNORE).sum()), int(correct)
+
+
+@pytest.mark.parametrize("lora_on_the_output_layer", [False, True])
+def test_the_loss_in_chunks_of_positions_equals_the_loss_at_once_with_its_gradients(
+    sft, tiny_chat, packed_and_apart, monkeypatch, lora_on_the_output_layer
+):
+    """compute_loss and evaluate, 7 positions a chunk (trained ones only, the output layer called as a
+    module: LoRA on it trains), against every position's logits at once: the same loss, count,
+    gradients and token accuracy."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    apart, _ = packed_and_apart
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat / "model")
+    targets = ["q_proj", "v_proj", "lm_head"] if lora_on_the_output_layer else ["q_proj", "v_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(sft, "LOGITS_PER_CHUNK", 7 * vocabulary)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lm_head" in n for n in trained) == lora_on_the_output_layer
+
+    model.zero_grad()
+    loss, count, correct = _reference(model, apart)
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    chunked, chunked_count, grads = _loss_and_grads(sft, model, apart)
+    assert chunked_count == count > 7 * 4  # several chunks
+    torch.testing.assert_close(chunked, loss.detach(), rtol=1e-5, atol=1e-4)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+    with torch.no_grad():
+        scores = sft.evaluate(model, apart)
+    torch.testing.assert_close(scores["loss"][0], loss.detach(), rtol=1e-5, atol=1e-4)
+    assert int(scores["token_accuracy"][0]) == correct and int(scores["loss"][1]) == count
