@@ -4,7 +4,7 @@
 UV_VERSION := 0.13.9
 UV := $(or $(shell command -v uv 2>/dev/null),.tools/bin/uv)
 
-.PHONY: install demo test test-quick test-ray-floor lint format bench
+.PHONY: install demo test test-quick test-ray-floor lint format bench bench-trl
 
 # uv itself, where the machine has none: a private copy in .tools, not on the user's PATH.
 .tools/bin/uv:
@@ -71,3 +71,16 @@ format: install
 # the table is printed and written to bench/results/<machine>.{json,md}.
 bench: install
 	.venv/bin/python bench/harness.py $(ARGS)
+
+# chat_sft against TRL's SFTTrainer (bench/sft_vs_trl.py; ~30 min on 2 cores). TRL is the benchmark's
+# alone: installed into a second environment, .venv's files hard-linked as for the Ray floor, never
+# into .venv or the lock.
+TRL := 1.16.0
+TRL_VENV := .venv-trl-$(TRL)
+
+bench-trl: install
+	test -x $(TRL_VENV)/bin/trl || { rm -rf $(TRL_VENV) \
+	  && (cp -al .venv $(TRL_VENV) 2>/dev/null || cp -a .venv $(TRL_VENV)) \
+	  && grep -l '^#!.*/\.venv/bin/python' $(TRL_VENV)/bin/* | xargs -r sed -i '1s|/\.venv/bin/python|/$(TRL_VENV)/bin/python|' \
+	  && $(UV) pip install --quiet --python $(TRL_VENV)/bin/python --compile-bytecode "trl==$(TRL)"; }
+	.venv/bin/python bench/sft_vs_trl.py --trl-python $(TRL_VENV)/bin/python $(ARGS)
