@@ -283,8 +283,8 @@ def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     # meta model keeps its cache: the masks' test of values cannot run on meta tensors).
     packed = {} if positions is None else {"position_ids": positions, "use_cache": False}
     none = torch.empty(0, dtype=torch.long, device=ids.device)
-    out = model(input_ids=ids, logits_to_keep=none, output_hidden_states=True, **packed)
-    hidden, labels = out.hidden_states[-1][:, :-1], labels[:, 1:].to(out.hidden_states[-1].device)
+    last = model(input_ids=ids, logits_to_keep=none, output_hidden_states=True, **packed).hidden_states[-1]
+    hidden, labels = last[:, :-1], labels[:, 1:].to(last.device)
     if hidden.is_meta:
         # Shapes only (the driver's check, the FLOP count): every position, as MFU counts the output
         # layer's FLOPs; which are trained is a value meta tensors do not hold.
