@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown side(s) {unknown}: the sides are {', '.join(SIDES)}")
     work = Path(args.work)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     subprocess.run(["rm", "-rf", str(work)], check=True)
     workload = write_workload(work / "data", args.train_rows, args.val_rows, args.hidden, args.layers)
     print(json.dumps(workload), flush=True)
