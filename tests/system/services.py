@@ -46,12 +46,13 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int =
     )
 
 
-def wait_until(ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.2) -> None:
+    """`every_s`: 1 s where asking costs a process or a server's queries, the run's cores meanwhile."""
     deadline = time.monotonic() + timeout_s
     while not ready():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not ready after {timeout_s:g} s")
-        time.sleep(0.2)
+        time.sleep(every_s)
 
 
 def answers(url: str) -> bool:

@@ -112,6 +112,7 @@ def test_a_streamed_dataset_is_read_on_the_data_node_while_the_workers_train_on_
         "scaling.resources_per_worker={CPU: 0.5}",
         "scaling.label_selector={role: train}",
         "data.label_selector={role: data}",
+        "mlflow.register=never",  # where the data is read, not the model: the submit test registers
     )
 
     jobs, nodes, actors, tasks = listed(cluster, "jobs", "nodes", "actors", "tasks")

@@ -53,6 +53,7 @@ ONE_STEP_AN_EPOCH = (
     "train.epochs=3",
     "train.lr=0.05",
     "checkpoint.num_to_keep=null",
+    "mlflow.register=never",  # the weights are compared, not a model
 )
 
 

@@ -122,7 +122,7 @@ def test_two_tower_recall_at_10_beats_the_popularity_baseline(ray_session, works
     table = tmp_path / "interactions.parquet"
     _write_interactions(table, users=1000, items=500, groups=20, per_user=24, seed=0)
 
-    summary = _train(workspace, "two_tower", f"dataset.path={table}")
+    summary = _train(workspace, "two_tower", f"dataset.path={table}", "mlflow.register=never")
 
     recall, popularity = summary.metrics["val_recall_at_10"], summary.metrics["val_popularity_recall_at_10"]
     assert summary.metrics["val_samples"] == 2400

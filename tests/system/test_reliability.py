@@ -95,7 +95,7 @@ def _weights(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def straight(ray_session, module_workspace):
     """The uninterrupted run every resumed one must equal."""
-    return _run(module_workspace, "run.name=straight")
+    return _run(module_workspace, "run.name=straight", "mlflow.register=never")  # its copy registers
 
 
 def test_the_uninterrupted_run_checkpoints_every_4_steps_and_at_each_epoch_end(straight):
@@ -387,6 +387,7 @@ def test_a_run_resumed_on_fewer_workers_then_more_keeps_its_global_batch_and_tra
 
     def resumed(*overrides: str):
         settings = ("run.name=resized", "train.epochs=3", "checkpoint.every_n_steps=2", "checkpoint.num_to_keep=null")
+        settings += ("mlflow.register=never",)
         return run(
             load_config(TINY, overrides=workspace.overrides(*settings, *_faults(workspace, "'1:8:kill'"), *overrides))
         )

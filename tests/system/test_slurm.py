@@ -70,7 +70,7 @@ class Slurm:
         return dict(re.findall(r"(\w+)=(\S*)", shown))
 
     def wait_for(self, job_id: str, states: tuple[str, ...], timeout_s: float) -> dict[str, str]:
-        wait_until(lambda: self.job(job_id).get("JobState") in states, timeout_s, f"job {job_id} {states}")
+        wait_until(lambda: self.job(job_id).get("JobState") in states, timeout_s, f"job {job_id} {states}", every_s=1)
         return self.job(job_id)
 
     def stop(self) -> None:

@@ -30,7 +30,7 @@ from raytrain_ddp.config import recipe as recipes
 TINY = str(Path(__file__).parents[1] / "jobs" / "tiny.py")
 README = Path(__file__).parents[2] / "README.md"
 # Tiny's table as 5 Parquet shards a split; each rank's share shuffled in windows of 2 batches.
-STREAMED = (*RELIABLE, "dataset.source=parquet", "train.local_shuffle_buffer_size=16")
+STREAMED = (*RELIABLE, "dataset.source=parquet", "train.local_shuffle_buffer_size=16", "mlflow.register=never")
 
 
 def _run(workspace, job: str, *overrides: str):
@@ -320,6 +320,7 @@ def test_a_table_four_times_the_object_store_streams_through_it_without_spilling
         "model.hidden=32",
         "train.epochs=1",
         "train.batch_size=256",
+        "mlflow.register=never",
         f"run.storage_path={tmp_path / 'runs'}",
         f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
     ]
