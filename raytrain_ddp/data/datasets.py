@@ -9,7 +9,7 @@ Ray Datasets (the usual way; read and preprocessed by Ray Data):
   (n = rows // world_size: up to world_size - 1 rows dropped an epoch), shuffled in windows of
   `train.local_shuffle_buffer_size` rows seeded by (seed, epoch, rank, window) (with
   `train.group_by_length`, each window's rows then grouped into batches of similar length, the batches'
-  order seeded by the same: epoch.by_length); a resumed epoch starts
+  order seeded by (seed, epoch, window), the same on every rank: epoch.by_length); a resumed epoch starts
   at the window of its first untrained batch, and trains the batches an uninterrupted one would.
   `val` in contiguous ranges, each row counted once. No Ray Data execution, no split coordinator, no
   dataset manager: the processes those start cost a run's start seconds on a small machine.

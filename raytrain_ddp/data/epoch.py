@@ -74,13 +74,15 @@ def window_order(rows: int, seed: int, epoch: int, rank: int, window: int, shuff
     return np.random.default_rng(derive_seed(seed, SHUFFLE, epoch, rank, window)).permutation(rows)
 
 
-def by_length(slots: np.ndarray, lengths: np.ndarray, batch_size: int, seed: int, epoch: int, rank: int, window: int):
+def by_length(slots: np.ndarray, lengths: np.ndarray, batch_size: int, seed: int, epoch: int, window: int):
     """A window's slots regrouped into batches of rows of similar length: longest first (ties in the
-    window's own order), cut into batches, the whole batches in an order seeded by (seed, epoch, rank,
-    window) and the partial one, of the shortest rows, last (where drop_last drops it)."""
+    window's own order), cut into batches, the whole batches in an order seeded by (seed, epoch, window)
+    and the partial one, of the shortest rows, last (where drop_last drops it). The order is the same on
+    every rank, so at each step every rank trains its batch of the same length rank: a rank with short
+    rows does not wait in the gradient all-reduce for one with long rows."""
     ordered = slots[np.argsort(-lengths, kind="stable")]
     whole = len(ordered) // batch_size
-    order = np.random.default_rng(derive_seed(seed, LENGTH_GROUPS, epoch, rank, window)).permutation(whole)
+    order = np.random.default_rng(derive_seed(seed, LENGTH_GROUPS, epoch, window)).permutation(whole)
     batches = ordered[: whole * batch_size].reshape(whole, batch_size)[order].ravel()
     return np.concatenate([batches, ordered[whole * batch_size :]])
 

@@ -101,9 +101,7 @@ class Pipeline:
             index = np.full(len(slots), -1, dtype=np.int64)
             index[positions - origin] = np.arange(len(positions))
             if self.group_by is not None:
-                slots = planning.by_length(
-                    slots, self._lengths(rows, index[slots]), size, self.seed, plan.epoch, self.rank, w
-                )
+                slots = planning.by_length(slots, self._lengths(rows, index[slots]), size, self.seed, plan.epoch, w)
             for b in range(0, len(slots), size):
                 batch = (origin + b) // size
                 if batch < plan.first_batch:

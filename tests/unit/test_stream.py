@@ -105,21 +105,26 @@ def test_a_resumed_epoch_reads_from_its_window_and_continues_with_the_same_batch
 def test_batches_grouped_by_length_are_each_windows_rows_sorted_into_batches_and_resume_exactly(shards):
     """train.group_by_length, with the row id as each row's length: every shuffle window (12 rows, 3
     batches) holds the rows it holds without grouping, in batches of consecutive lengths, the batches in
-    a seeded order, not the sorted one; a resumed epoch trains the same batches from where it stopped."""
-    plain = epoch_ids(shards, 2, epoch=1, shuffle=True, shuffle_rows=12)
-    grouped = epoch_ids(shards, 2, epoch=1, shuffle=True, shuffle_rows=12, group_by="id")
-    descending = []
+    a seeded order, not the sorted one, the same on every rank (each step's batches hold the same length
+    rank on every rank, so none waits for another); a resumed epoch trains the same batches from where it
+    stopped."""
+    plain = epoch_ids(shards, 2, epoch=2, shuffle=True, shuffle_rows=12)
+    grouped = epoch_ids(shards, 2, epoch=2, shuffle=True, shuffle_rows=12, group_by="id")
+    descending, length_ranks = [], []
     for rank_plain, rank_grouped in zip(plain, grouped):
         assert [len(b) for b in rank_grouped] == [len(b) for b in rank_plain] == [4] * 5  # 20 rows a rank
+        length_ranks.append([])
         for w in (0, 3):  # the windows' first batches: 12 rows, then 8
             window = sorted(i for b in rank_plain[w : w + 3] for i in b)
             regrouped = rank_grouped[w : w + 3] if w == 0 else rank_grouped[3:]
             assert sorted(sorted(b) for b in regrouped) == [window[k : k + 4] for k in range(0, len(window), 4)]
             descending.append([max(b) for b in regrouped] == sorted((max(b) for b in regrouped), reverse=True))
+            length_ranks[-1] += [sorted((max(b) for b in regrouped), reverse=True).index(max(b)) for b in regrouped]
     assert not all(descending)  # the batches' order is shuffled, not by length
-    assert epoch_ids(shards, 2, epoch=1, shuffle=True, shuffle_rows=12, group_by="id") == grouped  # seeded
+    assert length_ranks[0] == length_ranks[1]  # step by step, the ranks' batches are of the same length rank
+    assert epoch_ids(shards, 2, epoch=2, shuffle=True, shuffle_rows=12, group_by="id") == grouped  # seeded
     for first in (1, 2, 3, 4):
-        resumed = epoch_ids(shards, 2, epoch=1, first_batch=first, shuffle=True, shuffle_rows=12, group_by="id")
+        resumed = epoch_ids(shards, 2, epoch=2, first_batch=first, shuffle=True, shuffle_rows=12, group_by="id")
         assert resumed == [batches[first:] for batches in grouped]
 
 
