@@ -291,6 +291,16 @@ def packed_and_apart(sft, tokenizer, tiny_chat):
     return {name: torch.from_numpy(c) for name, c in apart.items()}, {n: torch.from_numpy(c) for n, c in packed.items()}
 
 
+def _assert_grads_close(actual, expected):
+    """Each gradient is a sum over every trained token, summed in another order: float32 rounding then
+    differs by a fraction of the gradient's own scale, not by a fixed amount."""
+    for name, grad in expected.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(
+            actual[name], grad, rtol=1e-4, atol=1e-3 * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
 def _loss_and_grads(sft, model, batch):
     model.zero_grad()
     loss, count = sft.compute_loss(model, batch)
@@ -313,8 +323,7 @@ def test_packed_rows_train_the_same_tokens_with_the_same_loss_and_gradients_as_a
     packed_loss, packed_count, packed_grads = _loss_and_grads(sft, model, packed)
     assert packed_count == count
     torch.testing.assert_close(packed_loss, loss, rtol=1e-5, atol=1e-4)
-    for name, grad in grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    _assert_grads_close(packed_grads, grads)
 
     no_restart = dict(packed, position_ids=torch.arange(128).expand_as(packed["position_ids"]).contiguous())
     assert not torch.allclose(_loss_and_grads(sft, model, no_restart)[0], loss, rtol=1e-4)
@@ -368,8 +377,7 @@ def test_the_loss_in_chunks_of_positions_equals_the_loss_at_once_with_its_gradie
     chunked, chunked_count, grads = _loss_and_grads(sft, model, apart)
     assert chunked_count == count > 7 * 4  # several chunks
     torch.testing.assert_close(chunked, loss.detach(), rtol=1e-5, atol=1e-4)
-    for name, grad in expected.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_grads_close(grads, expected)
 
     with torch.no_grad():
         scores = sft.evaluate(model, apart)
