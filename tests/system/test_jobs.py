@@ -87,15 +87,18 @@ def test_fashion_mnist_reads_idx_files_from_the_dataset_path_and_learns(ray_sess
     labels = digits.target.astype(np.uint8)
     data = tmp_path / "fashion"
     data.mkdir()
-    _write_idx(data / "train-images-idx3-ubyte.gz", images[:1400])  # gzipped, as downloaded
-    _write_idx(data / "train-labels-idx1-ubyte.gz", labels[:1400])
+    _write_idx(data / "train-images-idx3-ubyte.gz", images[:700])  # gzipped, as downloaded
+    _write_idx(data / "train-labels-idx1-ubyte.gz", labels[:700])
     _write_idx(data / "t10k-images-idx3-ubyte", images[1400:])  # and plain
     _write_idx(data / "t10k-labels-idx1-ubyte", labels[1400:])
 
-    summary = _train(workspace, "fashion_mnist", f"dataset.path={data}", "train.epochs=3", "train.warmup_steps=5")
+    # ResNet-18 on 28x28 is the suite's costliest model per row: few rows, small batches (enough steps
+    # for BatchNorm's running statistics), two epochs.
+    overrides = ("train.epochs=2", "train.batch_size=32", "train.warmup_steps=5")
+    summary = _train(workspace, "fashion_mnist", f"dataset.path={data}", *overrides)
 
     assert summary.metrics["val_samples"] == len(images) - 1400
-    assert summary.metrics["val_accuracy"] >= 0.85
+    assert summary.metrics["val_accuracy"] >= 0.8  # 10 classes: chance is 0.1
     answers, rows = _served(summary, "fashion_mnist", f"dataset.path={data}")  # uint8 images, as in the files
     assert rows["image"].dtype == np.uint8 and rows["image"].shape[1:] == (28, 28)
     assert (answers.argmax(axis=1) == rows["label"]).mean() == pytest.approx(summary.metrics["val_accuracy"], abs=1e-9)
@@ -107,7 +110,9 @@ def test_char_gpt_learns_a_text_reports_tokens_and_logs_a_sample(ray_session, wo
     text = tmp_path / "input.txt"
     text.write_text(_generated_text(words=12_000, seed=0))
 
-    summary = _train(workspace, "char_gpt", f"dataset.path={text}", "dataset.stride=32", "train.epochs=6")
+    # Small batches: more optimizer steps for the same compute, enough to learn the text in 3 epochs.
+    settings = ("dataset.stride=32", "train.epochs=3", "train.batch_size=16")
+    summary = _train(workspace, "char_gpt", f"dataset.path={text}", *settings)
 
     final = summary.final_metrics
     assert final["train_tokens"] == final["train_samples"] * 64 and final["tokens_per_s"] > 0

@@ -1,6 +1,6 @@
 """Training for real: 2 DDP workers on a local Ray (gloo), digits read through Ray Data, MLflow on sqlite.
 
-One straight 4-epoch run is shared by the checks on sharding, global validation, checkpoints and
+One straight 3-epoch run is shared by the checks on sharding, global validation, checkpoints and
 MLflow. (Exact resume, after a restart, a crash or a damaged checkpoint, is test_reliability.py's.)
 """
 
@@ -31,6 +31,8 @@ SETTINGS = (
 )
 DIGITS_TRAIN_ROWS, DIGITS_VAL_ROWS = 1437, 360
 STEPS_PER_EPOCH = 23  # 718 rows per worker in batches of 32
+EPOCHS = 3
+STEPS = EPOCHS * STEPS_PER_EPOCH
 
 
 class _Preparing(logging.Handler):
@@ -57,7 +59,10 @@ def straight(ray_session, module_workspace):
 
     config = load_config(
         "digits",
-        overrides=module_workspace.overrides(*SETTINGS, "train.epochs=4", "run.name=straight", "run.progress_log_s=1"),
+        # Checkpoints uploaded in the background: what they leave is checked as synchronous ones are.
+        overrides=module_workspace.overrides(
+            *SETTINGS, f"train.epochs={EPOCHS}", "checkpoint.upload=async", "run.name=straight", "run.progress_log_s=1"
+        ),
     )
     # As a new driver process: nothing asked for yet. This pytest process's Ray serves other modules'
     # runs, and a run of theirs refused after asking leaves a record that makes this run take the
@@ -82,7 +87,7 @@ def straight(ray_session, module_workspace):
 
 def test_each_worker_trains_on_half_of_the_rows_every_epoch(straight):
     summary, *_ = straight
-    assert summary.epochs == 4
+    assert summary.epochs == EPOCHS
     per_worker = DIGITS_TRAIN_ROWS // 2  # equal shares: the odd row is left out
     assert summary.final_metrics["train_samples_per_worker"] == [per_worker, per_worker]
     assert summary.final_metrics["train_samples"] == 2 * per_worker
@@ -98,19 +103,19 @@ def test_validation_counts_every_row_exactly_once_across_ranks(straight):
 
 def test_a_log_gets_plain_progress_lines_between_the_report_lines(straight):
     """No terminal: a progress line at most every run.progress_log_s (1 s here), with the step of the
-    run's 92, the loss, samples/s and the ETA, and never a control character."""
+    run's 69, the loss, samples/s and the ETA, and never a control character."""
     *_, out = straight
     assert "\x1b" not in out and "\r" not in out
     lines = out.splitlines()
     progress = [
-        re.fullmatch(rf"progress: step (\d+)/{4 * STEPS_PER_EPOCH} \(\d+%\)  epoch ([\d.]+)/4  loss [\d.]+  (.*)", line)
+        re.fullmatch(rf"progress: step (\d+)/{STEPS} \(\d+%\)  epoch ([\d.]+)/{EPOCHS}  loss [\d.]+  (.*)", line)
         for line in lines
     ]
     steps = [int(m.group(1)) for m in progress if m]
-    assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] <= 92, out
+    assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] <= STEPS, out
     assert any("samples/s" in m.group(3) and re.search(r"ETA \d+[ms]", m.group(3)) for m in progress if m), out
-    reports = [line for line in lines if re.match(r"epoch +\d/4 ", line)]
-    assert len(reports) == 4  # a line per report stays
+    reports = [line for line in lines if re.match(rf"epoch +\d/{EPOCHS} ", line)]
+    assert len(reports) == EPOCHS  # a line per report stays
 
 
 def test_checkpoints_live_under_the_run_and_num_to_keep_holds(straight, module_workspace):
@@ -121,7 +126,7 @@ def test_checkpoints_live_under_the_run_and_num_to_keep_holds(straight, module_w
     history = _metric_history(summary, "val_loss")
     best_epoch = min(history, key=history.get) // STEPS_PER_EPOCH
     # Ray keeps the num_to_keep best by score and, for resuming, always the latest.
-    assert kept == sorted({f"epoch_{best_epoch:04d}", "epoch_0004"})
+    assert kept == sorted({f"epoch_{best_epoch:04d}", f"epoch_{EPOCHS:04d}"})
     assert Path(summary.best_checkpoint) == run_dir / f"epoch_{best_epoch:04d}"
     for directory in run_dir.glob("epoch_*"):
         saved = ckpt.open_verified(directory).config()
@@ -138,11 +143,11 @@ def test_mlflow_has_one_run_with_live_metric_history_and_one_registered_version(
         filter_string="tags.`raytrain_ddp.run_name` = 'straight'",
     )
     assert run.info.status == "FINISHED" and run.info.run_id == summary.mlflow_run_id
-    assert run.data.params["train.epochs"] == "4" and run.data.params["scaling.num_workers"] == "2"
+    assert run.data.params["train.epochs"] == str(EPOCHS) and run.data.params["scaling.num_workers"] == "2"
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == [23, 46, 69, 92]  # MLflow's step is the optimizer step
+    assert sorted(m.step for m in history) == [23, 46, 69]  # MLflow's step is the optimizer step
     epochs = client.get_metric_history(run.info.run_id, "epoch")
-    assert sorted((m.step, m.value) for m in epochs) == [(23, 1.0), (46, 2.0), (69, 3.0), (92, 4.0)]
+    assert sorted((m.step, m.value) for m in epochs) == [(23, 1.0), (46, 2.0), (69, 3.0)]
     # Logged as each epoch was reported, not all at the end: an epoch takes seconds here.
     logged_at = sorted(m.timestamp for m in history)
     assert all(later - earlier > 1000 for earlier, later in zip(logged_at, logged_at[1:]))
@@ -265,12 +270,12 @@ def test_a_resume_that_would_change_the_computation_is_refused_before_training(s
     from raytrain_ddp import run
 
     summary, config, _ = straight
-    changed = with_overrides(config, "train.lr=0.01", "scaling.num_workers=1", "train.epochs=5")
+    changed = with_overrides(config, "train.lr=0.01", "scaling.num_workers=1", f"train.epochs={EPOCHS + 1}")
     with pytest.raises(ConfigError) as refused:
         run(changed)
     assert [p.split(":")[0] for p in refused.value.problems] == ["scaling.num_workers", "train.lr"]
     assert "was 0.002 when the run started, now 0.01" in str(refused.value)  # train.epochs may change
-    assert sorted(p.name for p in Path(summary.run_path).glob("epoch_*"))[-1] == "epoch_0004"
+    assert sorted(p.name for p in Path(summary.run_path).glob("epoch_*"))[-1] == f"epoch_{EPOCHS:04d}"
     client = MlflowClient(summary.tracking_uri)
     assert client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
     assert len(client.search_model_versions(f"run_id = '{summary.mlflow_run_id}'")) == 1
