@@ -2,7 +2,7 @@
 model (random weights, a tokenizer trained on the conversations: examples/tiny_chat.py) on the formats
 users bring (conversations, conversational and plain prompt/completion rows in one JSONL; validation
 from Parquet), registration as an MLflow transformers chat model served over HTTP, exact resume of a
-worker killed mid-epoch, a damaged adapter checkpoint skipped, and malformed rows refused. No network:
+worker killed mid-epoch on packed rows, a damaged adapter checkpoint skipped, and malformed rows refused. No network:
 HF_HUB_OFFLINE. (Token-level loss equivalence across workers and micro-batches: test_ddp.py; which
 tokens train, for each format and template: unit tier.)
 """
@@ -10,6 +10,7 @@ tokens train, for each format and template: unit tier.)
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import urllib.request
 from pathlib import Path
@@ -150,49 +151,11 @@ def test_the_registered_model_answers_trained_prompts_offline_and_over_http(stra
     assert _answer(served) == answers[0]
 
 
-def test_a_worker_killed_mid_epoch_resumes_exactly(straight, tiny_chat, workspace, record):
-    """Rank 1 is SIGKILLed at its 25th micro-batch: 5 steps after the step-20 checkpoint, in epoch 2."""
-    log = workspace.root / "faults"
-    log.mkdir()
-    faulted = _run(
-        FAULTS,
-        workspace,
-        tiny_chat,
-        "model.kill_rank=1",
-        "model.kill_at=25",
-        f"model.fault_log={log}",
-        "run.max_failures=1",
-        "run.name=faulted",
-        "mlflow.register=never",  # what a resume registers: the damaged-checkpoint test's
-    )
-
-    def settings(summary) -> dict:  # what was trained: everything but the job, the fault and where it ran
-        config = ckpt.open_verified(Path(summary.run_path) / "epoch_0012").config()
-        model = {k: v for k, v in config.pop("model").items() if k not in ("kill_rank", "kill_at", "fault_log")}
-        return {**{k: v for k, v in config.items() if k not in ("job", "run", "mlflow")}, "model": model}
-
-    assert settings(faulted) == settings(straight)
-    assert faulted.attempts == 2
-    assert "rank 1: the worker process died" in faulted.failures[0]
-    assert faulted.failures[0].endswith("restarted from epoch_0002-step_0000020")
-    final = ckpt.open_verified(Path(faulted.run_path) / "epoch_0012").model_state()
-    torch.testing.assert_close(
-        final, ckpt.open_verified(Path(straight.run_path) / "epoch_0012").model_state(), rtol=0, atol=0
-    )
-    record(
-        "chat_sft LoRA: worker SIGKILLed mid-epoch (max_failures=1)",
-        attempts=2,
-        resumed="epoch_0002-step_0000020 (step 20)",
-        wasted=24 - 20,
-        checkpoints=len([p for p in Path(faulted.run_path).iterdir() if p.is_dir()]),
-        versions="0 (mlflow.register=never)",
-    )
-
-
-def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(ray_session, tiny_chat, workspace):
+def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(ray_session, tiny_chat, workspace, record):
     """dataset.packing=bfd (and batches grouped by length): 3 epochs, a checkpoint every 2 steps; rank 1
     SIGKILLed 3 micro-batches into epoch 2 resumes from that epoch's checkpoint and ends with the
-    weights of the run that was never interrupted, bit for bit."""
+    weights of the run that was never interrupted, bit for bit. (Rows apart resume as exactly: the
+    damaged-checkpoint test below; a worker killed mid-epoch on rows apart: test_reliability.py.)"""
     packed = ("dataset.packing=bfd", "train.epochs=3", "checkpoint.every_n_steps=2", "mlflow.register=never")
     straight = _run("chat_sft", workspace, tiny_chat, *packed, "run.name=packed")
     per_epoch = int(straight.final_metrics["step"]) // 3
@@ -204,12 +167,27 @@ def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(ray_sessi
     kill = ("model.kill_rank=1", f"model.kill_at={per_epoch + 3}", f"model.fault_log={log}", "run.max_failures=1")
     faulted = _run(FAULTS, workspace, tiny_chat, *packed, *kill, "run.name=packed-faulted")
 
+    def settings(summary) -> dict:  # what was trained: everything but the job, the fault and where it ran
+        config = ckpt.open_verified(Path(summary.run_path) / "epoch_0003").config()
+        model = {k: v for k, v in config.pop("model").items() if k not in ("kill_rank", "kill_at", "fault_log")}
+        return {**{k: v for k, v in config.items() if k not in ("job", "run", "mlflow")}, "model": model}
+
+    assert settings(faulted) == settings(straight)
     assert faulted.attempts == 2
     assert "rank 1: the worker process died" in faulted.failures[0]
-    assert "restarted from epoch_0002-step_" in faulted.failures[0]
+    resumed = re.search(r"restarted from (epoch_0002-step_(\d+))$", faulted.failures[0])
+    assert resumed, faulted.failures[0]
     final = ckpt.open_verified(Path(faulted.run_path) / "epoch_0003").model_state()
     expected = ckpt.open_verified(Path(straight.run_path) / "epoch_0003").model_state()
     torch.testing.assert_close(final, expected, rtol=0, atol=0)
+    record(
+        "chat_sft LoRA, packed rows: worker SIGKILLed mid-epoch (max_failures=1)",
+        attempts=2,
+        resumed=f"{resumed.group(1)} (step {int(resumed.group(2))})",
+        wasted=per_epoch + 2 - int(resumed.group(2)),  # its last whole step before the kill, less the resumed one
+        checkpoints=len([p for p in Path(faulted.run_path).iterdir() if p.is_dir()]),
+        versions="0 (mlflow.register=never)",
+    )
 
 
 def test_a_damaged_adapter_checkpoint_is_skipped_and_the_run_resumes_exactly(straight, tiny_chat, workspace, record):
