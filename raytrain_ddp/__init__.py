@@ -19,6 +19,7 @@ __all__ = [
     "load_config",
     "register",
     "run",
+    "sweep",
     "with_overrides",
 ]
 
@@ -27,6 +28,7 @@ _LAZY = {
     "run": "raytrain_ddp.driver.run",
     "register": "raytrain_ddp.driver.registration",
     "RunSummary": "raytrain_ddp.driver.summary",
+    "sweep": "raytrain_ddp.tuning.driver",
     "RunFailed": "raytrain_ddp.errors",
     "RunInterrupted": "raytrain_ddp.errors",
     "RegistrationFailed": "raytrain_ddp.errors",

@@ -3,6 +3,7 @@
 raytrain-ddp train digits                              # the flagship job on a local Ray
 raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
 raytrain-ddp train digits --print-config               # validate and show the resolved config
+raytrain-ddp sweep digits --search train.lr=loguniform(1e-4,1e-1) --trials 8 --concurrent 2
 raytrain-ddp jobs                                      # the jobs it can find
 raytrain-ddp register runs/<name>                      # register a finished run's model (whatever mlflow.register said)
 raytrain-ddp promote <model> <version>                 # make a registered version the champion by hand
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     # Overrides may also follow an option (`train JOB --config F k=v`), where argparse stops taking them.
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "train" and all("=" in e and not e.startswith("-") for e in extra):
+    if extra and args.command in ("train", "sweep") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -73,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "promote":
         return _promote(args)
+    if args.command == "sweep":
+        return _sweep(args)
     return _register(args) if args.command == "register" else _train(args)
 
 
@@ -90,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="a YAML layered over the job's own YAML")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--verbose", action="store_true", help="also show Ray's own logs")
+    _sweep_parser(commands)
     commands.add_parser("jobs", help="list the jobs found in ./jobs and the project's jobs/")
     register = commands.add_parser(
         "register",
@@ -116,6 +120,62 @@ def _parser() -> argparse.ArgumentParser:
         "--tracking-uri", help="the MLflow tracking server (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
     )
     return parser
+
+
+def _sweep_parser(commands: typing.Any) -> None:
+    sweep = commands.add_parser(
+        "sweep",
+        help="search hyper-parameters: trials of a job (Ray Tune), the trailing ones stopped early, the best kept",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train trials of the job, each a whole run (`<sweep>-t001`, ...) with values drawn from the "
+        "searched spaces, K at a time; stop those that trail the others at the same epoch (ASHA, on "
+        "checkpoint.score_attribute); register the best trial's model as mlflow.register says. The same command "
+        "(with the run.name it prints) resumes a sweep: finished trials are not trained again.",
+        epilog="spaces: choice(a,b,...) grid(a,b,...) uniform(lo,hi) loguniform(lo,hi) randint(lo,hi) (hi excluded)\n"
+        "the sweep's settings: sweep.* (see `raytrain-ddp train --help`); a job's YAML may hold a sweep: section",
+    )
+    sweep.add_argument("job", help="a job name from jobs/ or a path to a job's .py/.yaml")
+    sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for train")
+    sweep.add_argument(
+        "--search",
+        action="append",
+        default=[],
+        metavar="KEY=SPACE",
+        help="a key to search, e.g. train.lr=loguniform(1e-4,1e-1)",
+    )
+    sweep.add_argument("--trials", type=int, metavar="N", help="how many trials (default: the grid's combinations)")
+    sweep.add_argument("--concurrent", type=int, metavar="K", help="trials trained at once (default 1)")
+    sweep.add_argument("--config", metavar="FILE", help="a YAML layered over the job's own YAML")
+    sweep.add_argument("--verbose", action="store_true", help="also show Ray's and Tune's own logs")
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    wrong = [s for s in args.search if "=" not in s]
+    searched = [f"sweep.search.{s}" for s in args.search]
+    numbers = [f"sweep.trials={args.trials}"] * (args.trials is not None)
+    numbers += [f"sweep.concurrent={args.concurrent}"] * (args.concurrent is not None)
+    try:
+        if wrong:
+            raise ConfigError(
+                args.job, [f"--search {s}: expected KEY=SPACE, e.g. train.lr=loguniform(1e-4,1e-1)" for s in wrong]
+            )
+        config = load_config(args.job, config_file=args.config, overrides=[*args.overrides, *searched, *numbers])
+        address = ray_address.check_environment()
+        if address.problem:
+            raise ConfigError(config.job, [address.problem])
+        from raytrain_ddp.tuning import driver
+
+        driver.check(config)  # every problem of the spaces, before torch's and Ray's imports pay off
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from raytrain_ddp.cluster import session
+
+    session.stop_on_sigterm()
+    try:
+        return _exit_status(driver.sweep, config, args.verbose, session)
+    finally:
+        _leave_ray()
 
 
 def _train(args: argparse.Namespace) -> int:

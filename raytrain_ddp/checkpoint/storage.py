@@ -61,6 +61,17 @@ def write_text(path: str, text: str) -> None:
         f.write(text.encode())
 
 
+def read_text(path: str) -> str | None:
+    """A whole text file at a storage path or URI; None where there is none."""
+    import pyarrow.fs
+
+    fs, where = locate(path)
+    if fs.get_file_info(where).type != pyarrow.fs.FileType.File:
+        return None
+    with fs.open_input_stream(where) as f:
+        return f.read().decode()
+
+
 def locate(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """The filesystem of a storage path or URI, and the path within it."""
     import pyarrow.fs  # here, not above: the command's config checks and `--help` go without it

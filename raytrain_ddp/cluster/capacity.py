@@ -136,9 +136,12 @@ def placement_groups() -> dict[str, str]:
     return {id_: pg["state"] for id_, pg in table.items() if id_.endswith(job) and pg["state"] != "REMOVED"}
 
 
-def release(kept: Iterable[str]) -> None:
-    """Remove the placement groups this driver's job has, but those in `kept` (what it had before the
-    run's fit(): a notebook's own), once the run's fit() has ended in a failure.
+def release(kept: Iterable[str], own: str | None = None) -> None:
+    """Remove the run's workers' placement group once its fit() has ended in a failure: `own`, its
+    hex id where the controller said it (another run of the same driver's job, a sweep's trial, may
+    hold a group of its own); else, and where `own` is gone already (a restart's group, pending, is
+    not said), every group this driver's job has but those in `kept` (what it had before the run's
+    fit(): a notebook's own).
 
     Ray Train's controller removes its workers' group as it ends; one that died, or that the driver
     killed (run.resources_wait_s), leaves it behind: a placement group outlives the actor that created
@@ -146,13 +149,21 @@ def release(kept: Iterable[str]) -> None:
     workers' resources, or take them once they come. Ray Train's own cleaner for this, a detached
     actor that watches the controller, is one more process to start in every run; the driver, which
     sees the run fail anyway, does it instead (ray_compat `lean_trainer`)."""
+    current = placement_groups()
+    for id_ in [own] if own in current else current.keys() - set(kept):
+        remove(id_)
+
+
+def remove(id_: str) -> None:
+    """Remove the placement group of hex id `id_`, if it is still there."""
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    for id_ in placement_groups().keys() - set(kept):
-        try:
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(id_))))
-        except Exception as e:  # noqa: BLE001 - the run's own error is what the user needs to see
-            logger.warning("the run's placement group %s was not removed: %s", id_, e)
+    if placement_groups().get(id_) is None:
+        return
+    try:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(id_))))
+    except Exception as e:  # noqa: BLE001 - the run's own error is what the user needs to see
+        logger.warning("the run's placement group %s was not removed: %s", id_, e)
 
 
 def lost_nodes(ranks: dict[int, str]) -> list[str]:

@@ -252,6 +252,11 @@ def _parse_override(override: str) -> dict[str, Any]:
     return value
 
 
+def read_value(raw: str) -> Any:
+    """A value as an override's `key=value` reads it: YAML (1.2's floats)."""
+    return yaml.load(raw, Loader=_Loader)
+
+
 def yaml_value(value: Any) -> str:
     """`value` as a `key=value` override writes it (a tuple as a list)."""
     if isinstance(value, tuple):

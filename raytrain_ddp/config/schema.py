@@ -203,10 +203,10 @@ class ScalingSettings(_Section):
 
     @property
     def workers_text(self) -> str:
-        """'2 workers', or an elastic range: '1–2 workers (elastic)'."""
+        """'2 workers', '1 worker', or an elastic range: '1–2 workers (elastic)'."""
         if self.elastic:
             return f"{self.min_workers}–{self.max_workers} workers (elastic)"
-        return f"{self.num_workers} workers"
+        return f"{self.num_workers} worker{'s' * (self.num_workers != 1)}"
 
     @model_validator(mode="after")
     def _resources_are_possible(self) -> ScalingSettings:
@@ -330,6 +330,28 @@ class RunSettings(_Section):
         return self
 
 
+class SweepSettings(_Section):
+    """`raytrain-ddp sweep`: trials of the run, each with values drawn from `search`, the trailing ones
+    stopped early (ASHA on checkpoint.score_attribute), the best trial's model registered. A `train`
+    of the job ignores this section."""
+
+    search: dict[str, Any] = Field(
+        default_factory=dict,
+        description="config key: space, e.g. train.lr: loguniform(1e-4, 1e-1); spaces: choice(a, b, ...), "
+        "grid(a, b, ...), uniform(lo, hi), loguniform(lo, hi), randint(lo, hi) (hi excluded)",
+    )
+    trials: int | None = Field(
+        None, ge=1, description="how many trials; null = the grid's combinations (where every space is a grid)"
+    )
+    concurrent: int = Field(1, ge=1, description="trials trained at once, each with the run's own scaling")
+    grace_epochs: int = Field(
+        1, ge=1, description="epochs every trial trains before the scheduler may stop it for trailing the others"
+    )
+    reduction_factor: float = Field(
+        2, gt=1, description="ASHA's rungs: at each, all but the best 1/reduction_factor of the trials stop"
+    )
+
+
 # `register` shadows the `register` classmethod every pydantic model inherits from ABCMeta (for
 # virtual subclasses, never used on a config); pydantic warns about it at import, to no purpose.
 warnings.filterwarnings("ignore", message='Field name "register" in "MLflowSettings" shadows', category=UserWarning)
@@ -386,6 +408,7 @@ class Config(_Section):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     run: RunSettings = Field(default_factory=RunSettings)
     mlflow: MLflowSettings = Field(default_factory=MLflowSettings)
+    sweep: SweepSettings = Field(default_factory=SweepSettings)
 
     @model_validator(mode="after")
     def _compiles_under_ddp(self) -> Config:

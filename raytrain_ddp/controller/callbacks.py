@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 from ray.util.queue import Queue
 
 from raytrain_ddp.ray_compat import cluster as ray_compat
-from raytrain_ddp.ray_compat.controller import ControllerCallback, WorkerGroupCallback
+from raytrain_ddp.ray_compat.controller import ControllerCallback, WorkerGroupCallback, placement_group_id
 
 logger = logging.getLogger(__name__)
 # An elastic run's recount of the cluster comes this long before Ray Train's resize check (its polls are
@@ -87,9 +87,11 @@ class ControllerMarks(ControllerCallback, WorkerGroupCallback):
 
     def after_worker_group_start(self, worker_group) -> None:
         self._put("worker group")  # the worker actors up, their process group set up
-        try:  # which node each rank is on: a failure then says which node was lost, if one was
+        # which node each rank is on (a failure then says which node was lost, if one was), and the
+        # workers' placement group (the driver removes it if the controller cannot: capacity.release)
+        try:
             nodes = {w.distributed_context.world_rank: w.metadata.node_id for w in worker_group.get_workers()}
-            self.queue.put(("workers", nodes), timeout=5)
+            self.queue.put(("workers", nodes, placement_group_id(worker_group)), timeout=5)
         except Exception as e:  # noqa: BLE001
             logger.warning("the workers' nodes not sent to the driver: %s", e)
 

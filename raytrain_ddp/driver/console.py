@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 END = "end"  # put by the driver once fit() has returned
+PLACEMENT_GROUP = "placement_group"  # beside a report's metrics for `reported`: the workers' group, its hex id
 WATCH_EVERY_S = 2.0  # how often the driver asks whether the workers wait for resources
 ANNOUNCE_AFTER_S = 10.0  # a placement that waits longer is said on the console (a healthy one takes < 1 s)
 # Ray Train's controller states of deciding how many workers to start: an elastic run below its
@@ -88,6 +89,7 @@ class LiveProgress:
         self._controller = None  # Ray Train's controller actor, pickled, and its run's id (ControllerMarks sends them)
         self._run_id = None
         self._worker_nodes: dict[int, str] = {}  # rank: node id, of the latest worker group
+        self.placement_group: str | None = None  # the latest worker group's, its hex id (ControllerMarks)
         self._preemption = ""  # the preemption under way, as said
         self._waiting_since: float | None = None  # since when the workers wait for resources
         self._deciding_since: float | None = None  # since when Ray Train's controller decides how many workers
@@ -159,8 +161,8 @@ class LiveProgress:
         if self.config.scaling.elastic:  # it starts by deciding how many workers to start
             self._deciding_since = time.monotonic()
 
-    def _on_workers(self, nodes: dict[int, str]) -> None:
-        self._worker_nodes = nodes
+    def _on_workers(self, nodes: dict[int, str], placement_group: str | None = None) -> None:
+        self._worker_nodes, self.placement_group = nodes, placement_group
 
     def _on_state(self, state: str) -> None:
         if self.config.scaling.elastic:
@@ -176,8 +178,8 @@ class LiveProgress:
         self.latest = latest
         self._deciding_since = None
         self.timeline.add(metrics.pop(MARKS, {}))
-        if self.reported is not None:
-            self.reported(metrics)
+        if self.reported is not None:  # with the workers' placement group (a sweep's trial passes it on)
+            self.reported(metrics | ({PLACEMENT_GROUP: self.placement_group} if self.placement_group else {}))
         self._show(metrics)
 
     def _on_failure(self, *event: Any) -> None:

@@ -106,7 +106,7 @@ def stand(config: Config) -> Standing:
     RAY_ADDRESS, tracking server or path that cannot be used; a resume that changes what it may not),
     or RunFailed for a run whose checkpoints are all damaged."""
     named = config.run.name is not None
-    config = _resolve(config, layering.origin_of(config).job.name)
+    config = resolve(config, layering.origin_of(config).job.name)
     run_path = config.run.path
     address = preflight.check_before_ray(config, run_path)
     config, derived = from_the_data(config)
@@ -164,7 +164,7 @@ def finished_config(run_path: str, tracking_uri: str | None) -> Config:
         }
     )
     if (epoch := metrics["epoch"]) < config.train.epochs and ended_early(metrics, config) is None:
-        resume = resume_command(_resolve(config, layering.origin_of(config).job.name))
+        resume = resume_command(resolve(config, layering.origin_of(config).job.name))
         raise ConfigError(
             config.job,
             [f"run {name} has not finished training (epoch {epoch:g} of {config.train.epochs}); resume it: {resume}"],
@@ -177,7 +177,7 @@ def resume_command(config: Config, *, epochs: str | None = None) -> str:
     differs from its job's own YAML (a resumed run must keep them), resolved as from the current
     directory; `epochs`, if given, replaces train.epochs."""
     job_yaml = _with_name(layering.job_config(config), config.run.name)
-    overrides = layering.overrides_against(config, _resolve(job_yaml, layering.origin_of(config).job.name))
+    overrides = layering.overrides_against(config, resolve(job_yaml, layering.origin_of(config).job.name))
     if epochs is not None:
         overrides = [o for o in overrides if not o.startswith("train.epochs=")] + [f"train.epochs={epochs}"]
     return shlex.join(["raytrain-ddp", "train", config.job, f"run.name={config.run.name}", *overrides])
@@ -187,7 +187,7 @@ def _with_name(config: Config, name: str | None) -> Config:
     return config.model_copy(update={"run": config.run.model_copy(update={"name": name})})
 
 
-def _resolve(config: Config, job_name: str) -> Config:
+def resolve(config: Config, job_name: str) -> Config:
     """Fill what defaults to 'decide at run time': run name, absolute paths, MLflow names."""
     run_name = config.run.name or f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     run = {"name": run_name, "storage_path": storage.absolute(config.run.storage_path)}

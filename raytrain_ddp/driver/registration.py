@@ -67,17 +67,8 @@ def register(
     for that checkpoint is returned, not duplicated."""
     console = console or Console(soft_wrap=True)
     with session.bounded_mlflow_retries():
-        standing = planning.stand(planning.finished_config(run_path, tracking_uri))
-        config = standing.config
-        registration = decided_already(standing)  # registered before: answered from the registry, no Ray
-        if registration is None or registration.model is None:
-            plan = prepare.make(standing, verbose=verbose, console=console, clock=Timeline())
-            with lease.Lease(plan.run_path):
-                run_id = tracking.start_run(plan.config, plan.run_path)
-                checkpoints = ckpt.run_record(plan.run_path).best_checkpoints
-                registration = register_best(plan, checkpoints, run_id, console, policy="always")
-        else:
-            run_id = tracking.find_run(config, standing.run_path)
+        config = planning.finished_config(run_path, tracking_uri)
+        registration, run_id = register_finished(config, "always", verbose=verbose, console=console)
     model = registration.model
     note = f" ({registration.note})" if registration.note else ""
     fared = f"; {model.champion}" if model.champion else ""
@@ -86,6 +77,23 @@ def register(
         f"{escape(note + fared)}; MLflow run {run_id} in {config.mlflow.tracking_uri}"
     )
     return model
+
+
+def register_finished(
+    config: Config, policy: Policy, *, verbose: bool, console: Console
+) -> tuple[Registration, str | None]:
+    """Register the best checkpoint of the finished run of `config` as `policy` says, and the id of its
+    MLflow run. What is decided already (a version registered for it, or a policy that says no) is
+    answered from the run's record and the registry, without Ray."""
+    standing = planning.stand(config)
+    registration = decided_already(standing)
+    if registration is not None and (registration.model is not None or policy != "always"):
+        return registration, tracking.find_run(standing.config, standing.run_path)
+    plan = prepare.make(standing, verbose=verbose, console=console, clock=Timeline())
+    with lease.Lease(plan.run_path):
+        run_id = tracking.start_run(plan.config, plan.run_path)
+        checkpoints = ckpt.run_record(plan.run_path).best_checkpoints
+        return register_best(plan, checkpoints, run_id, console, policy=policy), run_id
 
 
 def register_best(

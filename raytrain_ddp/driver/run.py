@@ -15,6 +15,7 @@ import functools
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,7 +47,12 @@ from raytrain_ddp.worker.metrics import BAD_FILES
 
 
 def run(
-    config: Config, *, verbose: bool = False, console: Console | None = None, timeline: Timeline | None = None
+    config: Config,
+    *,
+    verbose: bool = False,
+    console: Console | None = None,
+    timeline: Timeline | None = None,
+    reported: Callable[[dict[str, Any]], None] | None = None,
 ) -> RunSummary:
     """Train `config` to its last epoch (resuming the run if it exists), register the best
     checkpoint's model (as `mlflow.register` says: the summary says whether, and why), and return the
@@ -59,7 +65,8 @@ def run(
     without the model), is answered from its record without starting Ray: the summary of that run,
     with `already_finished` set (a finished run whose model is still to register is registered, as
     after training). `timeline`: where the run's phases are marked (the command line's, from its
-    launch); else one from now."""
+    launch); else one from now. `reported`: called with each report's metrics as it reaches the driver
+    (a sweep's trial passes them on to Ray Tune)."""
     started = time.monotonic()
     console = console or Console(soft_wrap=True)
     clock = timeline or Timeline(launched=time.time())
@@ -86,7 +93,7 @@ def run(
         with lease.Lease(plan.run_path), model_logging.Rehearsal() as rehearsal:
             run_id = tracking.start_run(plan.config, plan.run_path, plan.flops.params() | data.listed(plan.datasets))
             clock.mark("mlflow")
-            trained = fit(plan, run_id, console, clock, rehearsal, verbose)
+            trained = fit(plan, run_id, console, clock, rehearsal, verbose, reported)
             clock.mark("fit returned")
             if skipped := data.skipped(plan.datasets, trained.final_metrics.get(BAD_FILES, [])):
                 tracking.log_skipped(plan.config, run_id, skipped)
@@ -127,6 +134,7 @@ def fit(
     clock: Timeline,
     rehearsal: model_logging.Rehearsal,
     verbose: bool = False,
+    reported: Callable[[dict[str, Any]], None] | None = None,
 ) -> Trained:
     """Train the plan's run to its last epoch (or until early stopping ends it), showing its progress.
     On the way out of a failure or Ctrl-C the MLflow run is marked FAILED or KILLED, and RunFailed or
@@ -137,7 +145,8 @@ def fit(
     # priority: not while Ray Train starts, which is the cores' work on a small machine.
     preparing = config.mlflow.register != "never" and plan.recipe.log_model is None
     metrics_log = tracking.MetricsLog(config.mlflow.tracking_uri, run_id)
-    progress = ui.LiveProgress(console, plan, clock, metrics_log.add, rehearsal.start if preparing else None)
+    log = metrics_log.add if reported is None else lambda metrics: (metrics_log.add(metrics), reported(metrics))
+    progress = ui.LiveProgress(console, plan, clock, log, rehearsal.start if preparing else None)
     try:
         with metrics_log:  # every report's metrics in MLflow before it ends
             result = _fit(plan, run_id, progress)
@@ -214,7 +223,7 @@ def _fit(plan: Plan, run_id: str, progress: ui.LiveProgress) -> ray.train.Result
             prestart.taken()
             result = _trainer(plan, run_id, progress).fit()
     except BaseException:
-        capacity.release(kept)  # the workers' placement group, where a dead or killed controller left it
+        capacity.release(kept, progress.placement_group)  # where a dead or killed controller left it
         raise
     finally:  # fit() installs a Ctrl-C handler of its own and leaves it behind
         if threading.current_thread() is threading.main_thread():

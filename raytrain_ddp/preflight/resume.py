@@ -33,6 +33,7 @@ RESUMABLE = (
     "run.prestart_workers",
     "run.progress_",
     "mlflow.",
+    "sweep.",
 )
 
 

@@ -56,6 +56,15 @@ def enabled(capability: str) -> bool:
     return first <= ray_release() <= last
 
 
+def switched_off(*capabilities: str) -> str:
+    """The switch's value (RAYTRAIN_DDP_RAY_INTERNALS) with `capabilities` off as well as what it says."""
+    switch = os.environ.get(SWITCH_ENV, "on").strip()
+    if switch.lower() in ("off", "0", "false", "none"):
+        return switch
+    kept = [] if switch.lower() in ("on", "") else [switch]
+    return ",".join([*kept, *(f"-{c}" for c in capabilities)])
+
+
 def states() -> dict[str, bool]:
     """Every capability, and whether it runs here (for the docs, the benchmark and bug reports)."""
     return {name: enabled(name) for name in KNOWN_ON}

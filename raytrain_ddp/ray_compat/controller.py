@@ -24,3 +24,11 @@ except ImportError:  # the public path: no such callbacks
 def callbacks(public: list, controller: list) -> list:
     """The run's callbacks: the public ones, and the controller's where they run."""
     return public + (controller if enabled("controller_callbacks") else [])
+
+
+def placement_group_id(worker_group) -> str | None:
+    """The hex id of a worker group's placement group (Ray Train's internal state), or None."""
+    try:
+        return worker_group.get_worker_group_state().placement_group_handle.placement_group.id.hex()
+    except Exception:  # noqa: BLE001 - another Ray's internals: the driver then does without it
+        return None

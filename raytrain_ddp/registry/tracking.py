@@ -181,6 +181,27 @@ def finish_run(config: Config, run_id: str, status: Literal["FINISHED", "FAILED"
     mlflow_client(config.mlflow.tracking_uri).set_terminated(run_id, status)
 
 
+def nest(config: Config, run_id: str, parent_id: str, tags: Mapping[str, str]) -> None:
+    """The run shown under `parent_id` (a sweep's) in MLflow's UI, with `tags`; ended FINISHED if it is
+    still RUNNING (a sweep's scheduler stopped it: its process ended before it could say so)."""
+    client = mlflow_client(config.mlflow.tracking_uri)
+    for key, value in {"mlflow.parentRunId": parent_id, **tags}.items():
+        client.set_tag(run_id, key, value)
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, "FINISHED")
+
+
+def log_file(config: Config, run_id: str, path: str) -> None:
+    mlflow_client(config.mlflow.tracking_uri).log_artifact(run_id, path)
+
+
+def log_best(config: Config, run_id: str, score: str, value: float, trial: str) -> None:
+    """A sweep's best score as its run's metric, and the trial that reached it as a tag."""
+    client = mlflow_client(config.mlflow.tracking_uri)
+    client.log_metric(run_id, f"best_{score}", value)
+    client.set_tag(run_id, "sweep.best_trial", trial)
+
+
 def end_failed_run(config: Config, run_id: str, status: Literal["FAILED", "KILLED"]) -> None:
     """Mark the MLflow run ended on the way out of a failure, without hiding that failure."""
     try:

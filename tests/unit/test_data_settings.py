@@ -46,7 +46,7 @@ def test_an_image_folder_gives_its_classes_and_channels_and_the_jobs_yaml_gives_
     assert config.model == {"num_classes": 3, "channels": 3, "small_images": True}
     assert config.data.class_names == list(CLASSES)
     # Nothing the data gives is an override the resume command must carry: the data gives it again.
-    command = plan.resume_command(plan._resolve(config, "image_folder"))
+    command = plan.resume_command(plan.resolve(config, "image_folder"))
     assert "model." not in command and "class_names" not in command, command
     # Later overrides keep what the data gave.
     assert layering.with_overrides(config, "train.epochs=1").model["num_classes"] == 3
