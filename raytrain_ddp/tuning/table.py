@@ -182,7 +182,8 @@ def plot(rows: list[Row], spaces: list[Space], score: str, path: str) -> None:
                 edgecolors="C0",
                 label="stopped early" if stopped else "trained to the end",
             )
-        if space.log:
+        numbers = [float(v) for v in space.values] if _numeric(space) else []
+        if space.log or (numbers and min(numbers) > 0 and max(numbers) >= 100 * min(numbers)):  # decades apart
             ax.set_xscale("log")
         ax.set_xlabel(space.key)
         ax.set_ylabel(score)
