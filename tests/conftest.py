@@ -30,7 +30,7 @@ LONGEST_FIRST = [
     f"tests/system/test_{name}.py"
     for name in (
         "node_loss", "cli", "reliability", "streaming", "slurm", "cluster", "jobs", "chat_sft", "s3",
-        "ray_up", "registration", "bench", "tracking_server", "notebook", "ddp", "training",
+        "ray_up", "registration", "sweep", "bench", "tracking_server", "notebook", "ddp", "training",
     )
 ]  # fmt: skip
 
