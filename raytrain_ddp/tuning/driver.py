@@ -16,6 +16,7 @@ it, finished trials answered from their records, unfinished ones resumed from th
 from __future__ import annotations
 
 import functools
+import json
 import os
 import secrets
 import shlex
@@ -27,7 +28,7 @@ from ray import tune
 from rich.console import Console
 from rich.markup import escape
 
-from raytrain_ddp.checkpoint import lease
+from raytrain_ddp.checkpoint import lease, storage
 from raytrain_ddp.cluster import capacity, session
 from raytrain_ddp.config import layering, search
 from raytrain_ddp.config.layering import with_overrides, yaml_value
@@ -185,6 +186,7 @@ def sweep(
     plan = check(with_search(config, space, trials, concurrent))
     with session.bounded_mlflow_retries(), session.environment(_tune_environment()):
         address = preflight.check_before_ray(plan.config, plan.path)
+        _check_settings(plan)
         if not address.join and (problems := fits(plan.config, {"CPU": float(os.cpu_count() or 1)}, "this machine")):
             raise ConfigError(plan.config.job, problems)
         session.quiet_logs(verbose)
@@ -194,6 +196,7 @@ def sweep(
         if problems := fits(plan.config, ray.cluster_resources(), "the cluster"):
             raise ConfigError(plan.config.job, problems)
         with lease.Lease(plan.path):
+            _keep_settings(plan)
             parent = tracking.start_run(plan.config, plan.path)
             console.print(
                 f"Sweep [bold]{plan.name}[/]: {plan.trials} trials of {escape(plan.config.job)}, "
@@ -202,6 +205,34 @@ def sweep(
             )
             rows = _run_trials(plan, console)
             return _conclude(plan, rows, parent, console, verbose, time.monotonic() - started)
+
+
+SETTINGS_FILE = "sweep.json"  # what the sweep searches, as it started: a resume may not change it
+SETTINGS = ("sweep.", "seed", "train.epochs", "checkpoint.score_")
+
+
+def _check_settings(plan: Sweep) -> None:
+    """A resumed sweep whose search changed is refused: Tune would go on with the trials it drew,
+    whatever the command now says."""
+    if (saved := storage.read_text(f"{plan.path}/{SETTINGS_FILE}")) is None:
+        return
+    was, now = json.loads(saved), _settings(plan)
+    if changed := sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k)):
+        started = ", ".join(f"{k}={yaml_value(was.get(k))}" for k in changed)
+        raise ConfigError(
+            plan.config.job,
+            [f"sweep {plan.name} was started with {started}; resume it with those, or name another (run.name)"],
+        )
+
+
+def _keep_settings(plan: Sweep) -> None:
+    path = f"{plan.path}/{SETTINGS_FILE}"
+    if storage.read_text(path) is None:
+        storage.write_text(path, json.dumps(_settings(plan), indent=1, sort_keys=True))
+
+
+def _settings(plan: Sweep) -> dict[str, Any]:
+    return {k: v for k, v in plan.config.flat().items() if k.startswith(SETTINGS)}
 
 
 def _tune_environment() -> dict[str, str]:

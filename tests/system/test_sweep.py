@@ -154,6 +154,12 @@ def test_the_same_command_again_answers_from_the_records(swept):
 
     assert len(MlflowClient(f"sqlite:///{root / 'mlflow.db'}").search_model_versions("name = 'tiny'")) == 1
 
+    # Another search under the same name would go on with the trials Tune drew: refused, before Ray starts.
+    changed = [c if not c.startswith("--search=") else "--search=train.lr=grid(0.1,0.5)" for c in _command(root)]
+    refused = subprocess.run(changed, cwd=root, env=user_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "sweep lr was started with sweep.search.train.lr=" in refused.stderr, refused.stderr
+
 
 def test_bad_spaces_and_keys_are_refused_before_ray_starts_every_problem_at_once(tmp_path):
     searched = [
