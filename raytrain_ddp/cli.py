@@ -3,7 +3,7 @@
 raytrain-ddp train digits                              # the flagship job on a local Ray
 raytrain-ddp train digits train.epochs=3 run.name=x    # key.sub=value overrides
 raytrain-ddp train digits --print-config               # validate and show the resolved config
-raytrain-ddp sweep digits --search train.lr=loguniform(1e-4,1e-1) --trials 8 --concurrent 2
+raytrain-ddp sweep digits --search 'train.lr=loguniform(1e-4,1e-1)' --trials 8  # trials, the best registered
 raytrain-ddp jobs                                      # the jobs it can find
 raytrain-ddp register runs/<name>                      # register a finished run's model (whatever mlflow.register said)
 raytrain-ddp promote <model> <version>                 # make a registered version the champion by hand

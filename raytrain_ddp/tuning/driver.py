@@ -156,14 +156,17 @@ def _new_name(config: Config) -> str:
 
 
 def fits(config: Config, resources: dict[str, float], where: str) -> list[str]:
-    """Whether `sweep.concurrent` trials of the run's size (an elastic run's least) fit in `resources`."""
+    """Whether `sweep.concurrent` trials of the run's size (an elastic run's least), each with its own
+    process (TRIAL_RESOURCES), fit in `resources`."""
     k, s = config.sweep.concurrent, config.scaling
     problems = []
     for key, amount in capacity.per_worker(config).items():
-        need = k * s.min_workers * amount
-        if need > resources.get(key, 0.0):
+        own = TRIAL_RESOURCES["cpu"] if key == "CPU" else 0.0
+        need = k * (s.min_workers * amount + own)
+        if need > resources.get(key, 0.0) + 1e-9:
+            each = f"{s.min_workers} workers × {key} {amount:g}" + (f" + {own:g} for the trial" if own else "")
             problems.append(
-                f"sweep.concurrent={k}: {k} trials × {s.min_workers} workers × {key} {amount:g} need {key} {need:g}, "
+                f"sweep.concurrent={k}: {k} trials × ({each}) need {key} {need:g}, "
                 f"{where} has {resources.get(key, 0.0):g}; lower sweep.concurrent, scaling.num_workers or "
                 "scaling.resources_per_worker"
             )
