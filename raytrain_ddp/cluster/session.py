@@ -172,7 +172,36 @@ def _init(address: RayAddress, verbose: bool) -> None:
     # once is enough for a cluster that runs (the environment may say otherwise).
     joined = {ADDRESS_ENV: address.join, GCS_ATTEMPTS_ENV: os.environ.get(GCS_ATTEMPTS_ENV, "1")}
     with environment(joined if address.join else {}):
-        ray.init(log_to_driver=verbose, logging_level=logging_level, **({} if address.join else OWN_RAY))
+        for attempt in range(1, OWN_RAY_ATTEMPTS + 1):
+            before = _own_processes()
+            try:
+                ray.init(log_to_driver=verbose, logging_level=logging_level, **({} if address.join else OWN_RAY))
+                return
+            except Exception as e:
+                if address.join or attempt == OWN_RAY_ATTEMPTS or STARTUP_TIMED_OUT not in str(e):
+                    raise
+                _end(_own_processes() - before)  # what the attempt started: its GCS, raylet, ...
+
+
+# Ray gives a new local node 30 s to be registered by its GCS (ray/_private/node.py; not a setting): on a
+# machine whose cores are busy (another Ray starting, a training run) that can pass, and ray.init gives up.
+# A local Ray of its own is started once more, after the processes of the attempt are ended.
+STARTUP_TIMED_OUT = "timed out during startup"
+OWN_RAY_ATTEMPTS = 2
+
+
+def _own_processes() -> set[psutil.Process]:
+    try:
+        return set(psutil.Process().children(recursive=True))
+    except psutil.Error:
+        return set()
+
+
+def _end(processes: set[psutil.Process]) -> None:
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(list(processes), timeout=10)
 
 
 def leave() -> None:
