@@ -41,7 +41,7 @@ class Row:
     def cells(self, keys: list[str], score: str, best: bool) -> list[str]:
         shown = "–" if self.score is None else f"{self.score:.4g}"
         return [
-            self.name,
+            self.name.rsplit("-", 1)[-1],  # t003: the sweep's name is in the title
             *(_value(self.values.get(k)) for k in keys),
             self.status,
             f"{self.epoch:g}",
@@ -149,7 +149,7 @@ class Trials(tune.Callback):
 def table(rows: list[Row], keys: list[str], score: str, order: str) -> Table:
     """The trials, the best score first, the best trial starred."""
     ranked = ranked_rows(rows, order)
-    shown = Table(box=None, pad_edge=False)
+    shown = Table(box=None, pad_edge=False, title=ranked[0].name.rsplit("-", 1)[0] if ranked else None)
     for column in ["trial", *keys, "status", "epoch", f"best {score}"]:
         shown.add_column(column, justify="left" if column in ("trial", "status") else "right")
     for i, row in enumerate(ranked):
