@@ -245,13 +245,13 @@ def _tune_environment() -> dict[str, str]:
 def _run_trials(plan: Sweep, console: Console) -> list[Row]:
     """The trials, trained (or resumed) to their ends through Tune; raises RunInterrupted if stopped."""
     config, c = plan.config, plan.config.checkpoint
-    shown = Trials(plan.spaces, c.score_attribute, c.score_order, config.train.epochs, config.run.storage_path)
-    shown.show_on(console)
     trainable = tune.with_resources(tune.with_parameters(trials.train, base=config.to_dict()), TRIAL_RESOURCES)
     if tune.Tuner.can_restore(plan.path):
         console.print(f"Resuming the sweep from {plan.path}")
         tuner = tune.Tuner.restore(plan.path, trainable, resume_unfinished=True, resume_errored=True)
-    else:
+    else:  # Tune keeps the table with the sweep: a restored one shows it again (Trials.__setstate__)
+        shown = Trials(plan.spaces, c.score_attribute, c.score_order, config.train.epochs, config.run.storage_path)
+        shown.show_on(console)
         tuner = tune.Tuner(
             trainable,
             param_space={s.key: _tune_space(s) for s in plan.spaces},
@@ -319,7 +319,7 @@ def _row(plan: Sweep, result: Any) -> Row:
     name = os.path.basename(result.path.rstrip("/"))
     config = plan.config
     score, epochs = config.checkpoint.score_attribute, config.train.epochs
-    trial = trials.trial_config(Config.from_dict(config.to_dict()), dict(result.config), name)
+    trial = trials.trial_config(config, dict(result.config), name)
     best = (planning.resume_point(trial.run.path, trial).best or {}).get(score)
     epoch = float((result.metrics or {}).get("epoch", 0))
     if result.error is not None:
@@ -330,8 +330,7 @@ def _row(plan: Sweep, result: Any) -> Row:
         status = "stopped"
     else:
         status = "unfinished"
-    error = "" if result.error is None else str(result.error).strip().splitlines()[-1][:200]
-    return Row(name, dict(result.config), status, epoch, best, error)
+    return Row(name, dict(result.config), status, epoch, best)
 
 
 def _conclude(
@@ -339,9 +338,8 @@ def _conclude(
 ) -> SweepSummary:
     """Each trial's MLflow run nested under the sweep's, the plot, the best trial's model registered."""
     config = plan.config
-    base = Config.from_dict(config.to_dict())
     for row in rows:
-        trial = trials.trial_config(base, row.values, row.name)
+        trial = trials.trial_config(config, row.values, row.name)
         if (run_id := tracking.find_run(trial, trial.run.path)) is not None:
             tracking.nest(trial, run_id, parent, {"sweep": plan.name, "sweep.status": row.status})
     picture = f"{plan.path}/scores.png"
@@ -355,7 +353,7 @@ def _conclude(
     model, note = None, "no trial reported a score"
     if best is not None:
         policy = config.mlflow.register
-        chosen = trials.trial_config(base, best.values, best.name, register=policy)
+        chosen = trials.trial_config(config, best.values, best.name, register=policy)
         registration, _ = register_finished(chosen, policy, verbose=verbose, console=console)
         model, note = registration.model, registration.note
         tracking.log_best(config, parent, config.checkpoint.score_attribute, best.score, best.name)

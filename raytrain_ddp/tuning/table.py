@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +35,8 @@ class Row:
     status: str  # pending, running, finished, stopped, failed
     epoch: float
     score: float | None  # its best so far
-    error: str = ""
 
-    def cells(self, keys: list[str], score: str, best: bool) -> list[str]:
+    def cells(self, keys: list[str], best: bool) -> list[str]:
         shown = "–" if self.score is None else f"{self.score:.4g}"
         return [
             self.name.rsplit("-", 1)[-1],  # t003: the sweep's name is in the title
@@ -123,21 +121,17 @@ class Trials(tune.Callback):
 
     def _draw(self, trials) -> None:
         self._drawn = time.monotonic()
-        self._live.update(table(self.rows(trials), self.keys, self.score, self.order), refresh=True)
+        self._live.update(table([self._row(t) for t in trials], self.keys, self.score, self.order), refresh=True)
         if not self._live.is_started:
             self._live.start()
 
-    def rows(self, trials: Iterable) -> list[Row]:
-        return [self.row(t) for t in trials]
-
-    def row(self, trial) -> Row:
+    def _row(self, trial) -> Row:
         last = trial.last_result or {}
         epoch = float(last.get("epoch", 0))
         status = {"PENDING": "pending", "RUNNING": "running", "ERROR": "failed", "PAUSED": "paused"}.get(trial.status)
         if status is None:
             status = "finished" if epoch >= self.epochs else "stopped"
-        error = str(getattr(trial, "error_file", "") or "")
-        return Row(str(trial), dict(trial.config), status, epoch, self.best.get(str(trial)), error)
+        return Row(str(trial), dict(trial.config), status, epoch, self.best.get(str(trial)))
 
     def _safely(self, call, *args) -> None:
         try:
@@ -153,7 +147,7 @@ def table(rows: list[Row], keys: list[str], score: str, order: str) -> Table:
     for column in ["trial", *keys, "status", "epoch", f"best {score}"]:
         shown.add_column(column, justify="left" if column in ("trial", "status") else "right")
     for i, row in enumerate(ranked):
-        shown.add_row(*row.cells(keys, score, best=(i == 0 and row.score is not None)))
+        shown.add_row(*row.cells(keys, best=(i == 0 and row.score is not None)))
     return shown
 
 

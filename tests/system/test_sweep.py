@@ -91,9 +91,12 @@ def test_a_resumed_sweep_trains_no_finished_trial_again_stops_the_trailing_and_r
     runs = {t.name: t for t in sorted((root / "runs").glob("lr-t*"))}
     assert len(runs) == 4
 
-    # Finished before the kill: not trained again (the same checkpoints), answered from its record.
+    # Finished before the kill: not trained again (no checkpoint it did not have), answered from its record.
+    # (Killed as its last checkpoint landed, Ray's record of it may come only now, and with it the pruning
+    # of the oldest beyond checkpoint.num_to_keep.)
     for name, checkpoints in before.items():
-        assert _checkpoints(runs[name]) == checkpoints, name
+        after = _checkpoints(runs[name])
+        assert set(after) <= set(checkpoints) and max(after) == max(checkpoints), (name, checkpoints, after)
 
     # The scheduler stopped at least one trial early: recorded as stopped, its checkpoints kept.
     stopped = [t for t in runs.values() if (t / "stopped_by_sweep.json").is_file()]
