@@ -302,6 +302,23 @@ def unrecorded(run_path: str, latest: str | None) -> list[ray.train.Checkpoint]:
     return [ray.train.Checkpoint(path, filesystem=fs) for _, path in sorted(newer, reverse=True)]
 
 
+def reported(run_path: str, record: ray.train.Result | None) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:
+    """A run's checkpoints with the metrics reported with each, for ranking (`best_first`): Ray's
+    record's, and those newer than its latest that verify but were never recorded (the run stopped as
+    they landed, and nothing trained since to report them again), with the metrics they hold. A run
+    that ended so has its last checkpoints there alone."""
+    committed = list(record.best_checkpoints) if record is not None else []
+    latest = None if record is None else Path(record.checkpoint.path).name
+    whole = []
+    for checkpoint in unrecorded(run_path, latest):
+        with checkpoint.as_directory() as directory:
+            try:
+                whole.append((checkpoint, open_verified(directory).metrics()))
+            except CheckpointError:
+                continue  # never whole: not a checkpoint
+    return committed + whole
+
+
 @contextlib.contextmanager
 def open_resume_point(
     latest: ray.train.Checkpoint | None,

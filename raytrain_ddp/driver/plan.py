@@ -154,7 +154,8 @@ def finished_config(run_path: str, tracking_uri: str | None) -> Config:
     record = ckpt.run_record(run_path)
     if record is None:
         raise ConfigError(name, [f"{run_path}: no committed checkpoint there; give the directory of a run"])
-    with ckpt.open_resume_point(record.checkpoint, record.best_checkpoints) as latest:
+    unrecorded = ckpt.unrecorded(run_path, Path(record.checkpoint.path).name)
+    with ckpt.open_resume_point(record.checkpoint, record.best_checkpoints, unrecorded) as latest:
         saved = Config.from_dict(latest.verified.config())
         metrics = latest.verified.metrics()
     config = saved.model_copy(
@@ -210,7 +211,8 @@ def resume_point(run_path: str, config: Config) -> ResumePoint:
     if latest is None and not unrecorded:
         return ResumePoint()
     c = config.checkpoint
-    best = ckpt.best_first(committed, c.score_attribute, c.score_order)[0][1] if committed else None
+    ranked = ckpt.best_first(ckpt.reported(run_path, record), c.score_attribute, c.score_order)
+    best = ranked[0][1] if ranked else None
     # An elastic run's number of workers is what the cluster has room for when they start: the workers
     # pass over a mid-epoch checkpoint of another number themselves.
     workers = None if config.scaling.elastic else config.scaling.num_workers

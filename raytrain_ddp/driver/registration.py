@@ -92,7 +92,7 @@ def register_finished(
     plan = prepare.make(standing, verbose=verbose, console=console, clock=Timeline())
     with lease.Lease(plan.run_path):
         run_id = tracking.start_run(plan.config, plan.run_path)
-        checkpoints = ckpt.run_record(plan.run_path).best_checkpoints
+        checkpoints = ckpt.reported(plan.run_path, ckpt.run_record(plan.run_path))
         return register_best(plan, checkpoints, run_id, console, policy=policy), run_id
 
 
@@ -139,7 +139,7 @@ def decided_already(standing: planning.Standing) -> Registration | None:
     record = ckpt.run_record(standing.run_path)
     if run_id is None or record is None:
         return None
-    ranked = [checkpoint for checkpoint, _ in _best_first(config, record.best_checkpoints)]
+    ranked = [checkpoint for checkpoint, _ in _best_first(config, ckpt.reported(standing.run_path, record))]
     with ckpt.open_first_verified(ranked) as best:
         metrics = best.verified.metrics()
         if (model := model_registry.registered_version(config, run_id, best.location)) is not None:

@@ -243,6 +243,60 @@ def test_equal_scores_rank_the_later_checkpoint_best_as_ray_keeps_it(tmp_path):
     )
 
 
+def test_a_run_that_ended_as_its_last_checkpoint_landed_ranks_it_with_those_ray_recorded(tmp_path):
+    """A run stopped as its last checkpoint landed (a sweep's driver killed then, in CI) has that
+    checkpoint whole and Ray's record without it, and nothing trains again to report it: the run is
+    finished. Its best, which registration and a sweep rank, is ranked over that checkpoint too, with
+    the metrics it holds; one never whole is not a checkpoint."""
+    import asyncio
+
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    from raytrain_ddp import load_config
+    from raytrain_ddp.driver import plan
+
+    model, updater = _trained_parts()
+    run = tmp_path / "run"
+
+    def save(epoch: int, val_mse: float) -> tuple[Path, dict]:
+        directory, metrics = (
+            run / ckpt.dir_name(epoch, 8 * epoch, 0),
+            {"epoch": epoch, "step": 8 * epoch, "val_mse": val_mse},
+        )
+        directory.mkdir(parents=True)
+        state = ckpt.TrainingState(epoch, 8 * epoch, updater.state_dict(), [ckpt.rng_state()], 0)
+        ckpt.save(directory, model=model, state=state, config={}, metrics=metrics)
+        return directory, metrics
+
+    async def recorded() -> None:  # Ray Train's own checkpoint manager records epochs 1 and 2 (no Ray started)
+        manager = CheckpointManager(
+            CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_mse", checkpoint_score_order="min"),
+            StorageContext(storage_path=str(tmp_path), experiment_dir_name="run"),
+        )
+        for epoch, val_mse in ((1, 0.5), (2, 0.4)):
+            directory, metrics = save(epoch, val_mse)
+            manager.register_checkpoint(_TrainingReport(ray.train.Checkpoint(str(directory)), metrics, False))
+
+    asyncio.run(recorded())
+    save(3, 0.3)  # whole, never recorded
+    (run / "epoch_0004").mkdir()  # an upload cut short
+    record = ckpt.run_record(str(run))
+    assert sorted(Path(c.path).name for c, _ in record.best_checkpoints) == ["epoch_0001", "epoch_0002"]
+
+    ranked = ckpt.best_first(ckpt.reported(str(run), record), "val_mse", "min")
+    assert [(Path(c.path).name, m["val_mse"]) for c, m in ranked] == [
+        ("epoch_0003", 0.3),
+        ("epoch_0002", 0.4),
+        ("epoch_0001", 0.5),
+    ]
+    tiny = load_config(str(Path(__file__).parents[1] / "jobs" / "tiny.py"), overrides=["train.epochs=3"])
+    standing = plan.resume_point(str(run), tiny)
+    assert (standing.checkpoint, standing.best["val_mse"]) == ("epoch_0003", 0.3)
+
+
 @pytest.mark.parametrize(
     ("order", "scores", "best"),
     [
