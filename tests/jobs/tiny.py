@@ -19,6 +19,10 @@ N on, in every later attempt too.
 
 `model.width` is the hidden layer's width (16; a larger one makes a larger checkpoint).
 
+`model.step_s` makes each training pass of a worker wait that long: a run a test watches for a while
+(until it stops it, or while other runs meet it) keeps going without taking the cores the other
+tests work on.
+
 It counts its own FLOPs (`count_flops`): the one way a CPU run reports model FLOP/s.
 """
 
@@ -42,19 +46,27 @@ from raytrain_ddp import stream
 
 class MLP(nn.Module):
     def __init__(
-        self, width: int, dropout: float, unused_branch: bool, faults: list[tuple[str, int, str]], fault_log: str | None
+        self,
+        width: int,
+        dropout: float,
+        unused_branch: bool,
+        faults: list[tuple[str, int, str]],
+        fault_log: str | None,
+        step_s: float = 0.0,
     ):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Dropout(dropout), nn.Linear(width, 1))
         # Parameters that never get a gradient: DDP needs find_unused_parameters=true for them.
         self.unused = nn.Linear(4, 1) if unused_branch else None
-        self.faults, self.fault_log = faults, fault_log
+        self.faults, self.fault_log, self.step_s = faults, fault_log, step_s
         self.drops_score = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.body(x).squeeze(1)
         # Passes of the training workers only (in a process group): not the driver's pre-flight pass.
         in_training = self.training and torch.distributed.is_initialized()
+        if in_training and self.step_s:
+            time.sleep(self.step_s)
         return self._inject(x, out) if in_training and self.fault_log else out
 
     def _inject(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -92,6 +104,7 @@ def build_model(
     unused_branch: bool = False,
     faults: list[str] = [],  # noqa: B006 - read, never mutated
     fault_log: str | None = None,
+    step_s: float = 0.0,
 ) -> nn.Module:
     parsed = []
     for fault in faults:
@@ -101,7 +114,7 @@ def build_model(
         parsed.append((who, int(n), action))
     if parsed and fault_log is None:
         raise ValueError("faults need a fault_log directory")
-    return MLP(width, dropout, unused_branch, parsed, fault_log)
+    return MLP(width, dropout, unused_branch, parsed, fault_log, step_s)
 
 
 class Rows(Dataset):

@@ -81,11 +81,13 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
         "train",
         TINY,
         "dataset.rows=2048",
-        # A still trains when B, started at its epoch 2, is refused: tiny's epochs take 0.2-0.5 s here,
-        # and with 14 of them A had once finished them all by then (CI, 2026-11-29).
+        # A still trains when B, started at its epoch 2, is refused: 40 epochs of ~1 s each, where B's
+        # refusal takes seconds. Each training pass waits 5 ms (128 a worker an epoch): a run watched
+        # until it is stopped leaves the cores to the other test file rather than training on.
         "train.epochs=40",
         "run.name=shared",
         f"model.fault_log={passes}",
+        "model.step_s=0.005",
     ]
     env = user_env()
 
@@ -137,6 +139,7 @@ def test_one_driver_per_run_a_killed_driver_resumes_and_sigterm_stops_cleanly(tm
             TINY,
             "run.name=shared",
             f"model.fault_log={passes}",
+            "model.step_s=0.005",
             "dataset.rows=2048",
             "train.epochs=40",
         ]

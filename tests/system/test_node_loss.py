@@ -38,9 +38,12 @@ ONE_PER_NODE = ("scaling.num_workers=2", "scaling.resources_per_worker={CPU: 1.5
 # The lost node's run and the run it compares with: its node is killed once epoch 2 is shown, 4 before the end.
 EPOCHS = 6
 # The elastic run's train.epochs: only an upper bound, never reached (the test stops it with SIGTERM once
-# all is shown; an epoch takes 0.6 s on 1 worker on 2 cores, and the test's steps after the run's start
-# about 2 minutes: 90 epochs were reached once tiny's epochs got faster).
+# all is shown), there for a fast machine.
 ELASTIC_EPOCHS = 1000
+# Runs the tests watch, or stop, rather than train out (the holder, the elastic run): each training pass
+# waits this long (tests/jobs/tiny.py), 1.3-2.6 s an epoch, so that while the test waits on the cluster
+# the cores are free for the other test file rather than training epochs nobody reads.
+WATCHED_STEP_S = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +176,7 @@ def test_a_preempted_node_gets_a_checkpoint_in_time_and_its_restart_costs_no_fai
     driver = _train(
         cluster,
         tmp_path,
-        "dataset.rows=16384",  # 1,024 steps an epoch
+        "model.step_s=0.06",  # an epoch of 128 steps takes ~8 s, the cores mostly free meanwhile
         "train.epochs=2",  # the drain in epoch 2, the last: the workers wait in it for the restart
         "run.name=preempted",
         "run.max_failures=0",
@@ -226,7 +229,9 @@ def test_a_preempted_node_gets_a_checkpoint_in_time_and_its_restart_costs_no_fai
 
 def test_a_run_that_does_not_fit_next_to_another_names_it_and_gives_up_or_is_refused(cluster, tmp_path, record):
     seen: list[str] = []
-    holder = _train(cluster, tmp_path, "train.epochs=200", "run.name=holder", popen=True)
+    holder = _train(
+        cluster, tmp_path, "train.epochs=200", "run.name=holder", f"model.step_s={WATCHED_STEP_S}", popen=True
+    )
     try:
         _read_until(holder, r"^epoch +1/200 ", seen)
         with ThreadPoolExecutor(2) as pool:
@@ -284,6 +289,7 @@ def test_an_elastic_run_grows_when_a_node_joins_and_goes_on_with_fewer_workers_w
         "scaling.num_workers=[1, 2]",
         "scaling.resize_check_s=5",
         f"train.epochs={ELASTIC_EPOCHS}",
+        f"model.step_s={WATCHED_STEP_S}",
         "run.name=elastic",
         "run.max_failures=1",  # the node's loss; a resize is not counted
         f"model.fault_log={faults}",
