@@ -1,9 +1,10 @@
 """chat_sft against TRL's SFTTrainer: the same model, conversations, hyper-parameters and number of
 processes, each side at each of its batch shapes (padded, grouped by length, packed), alternating
-in every round; each round its own seed.
+in every round; each round its own seed, after a warm-up round that is not counted (the first runs of
+a session read both environments' files from disk, and the first round was the slowest on every side).
 
-    make bench-trl                                   # 3 rounds of the six sides (~30 min on 2 cores)
-    make bench-trl ARGS="--rounds 1 --sides S,T"     # a quick look
+    make bench-trl                                   # a warm-up and 3 rounds of the six sides (~65 min on 2 cores)
+    make bench-trl ARGS="--rounds 1 --no-warmup --sides S,T"   # a quick look
 
 Side S is `raytrain-ddp train chat_sft`; side T is TRL's SFTTrainer under torchrun
 (bench/trl_sft.py), in a second environment that adds TRL to .venv's (the Makefile's bench-trl).
@@ -253,7 +254,7 @@ def markdown(results: dict) -> str:
         f"epoch; {w['padding_share_in_order']:.0%} of a batch of {HYPER['batch_size']} is padding in file order. "
         f"{results['workers']} processes, LoRA r={HYPER['lora_r']} on every linear layer, {HYPER['epochs']} epochs, "
         f"lr {HYPER['lr']}, max_length {HYPER['max_length']}. Median [min-max] of {results['rounds']} rounds "
-        "(seeds 0, 1, ...).",
+        f"(seeds 0, 1, ...){', after a warm-up round of every side (not counted)' if results.get('warmup') else ''}.",
         "",
         "| side | tokens/s | slowest epoch, s | peak RSS of a worker, MB | validation loss |",
         "|---|---|---|---|---|",
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-python", required=True, help="the python of the environment that has TRL")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up round")
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--train-rows", type=int, default=400)
@@ -329,7 +331,17 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(["rm", "-rf", str(work)], check=True)
     workload = write_workload(work / "data", args.train_rows, args.val_rows, args.hidden, args.layers)
     print(json.dumps(workload), flush=True)
-    results = {"machine": _machine(args.trl_python), "workload": workload, "workers": args.workers, "runs": []}
+    results = {
+        "machine": _machine(args.trl_python),
+        "workload": workload,
+        "workers": args.workers,
+        "warmup": not args.no_warmup,
+        "runs": [],
+    }
+    if not args.no_warmup:  # every side once, in the last round's order, with a seed no round uses
+        for side in sides if args.rounds % 2 == 0 else sides[::-1]:
+            warm = run_side(side, args.rounds, work, args.trl_python, args.workers)
+            print(json.dumps({"warm-up (not counted)": warm}), flush=True)
     for seed in range(args.rounds):
         for side in sides if seed % 2 == 0 else sides[::-1]:
             run = run_side(side, seed, work, args.trl_python, args.workers)
