@@ -52,7 +52,7 @@ class MLP(nn.Module):
         unused_branch: bool,
         faults: list[tuple[str, int, str]],
         fault_log: str | None,
-        step_s: float = 0.0,
+        step_s: float | None = None,
     ):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Dropout(dropout), nn.Linear(width, 1))
@@ -104,7 +104,7 @@ def build_model(
     unused_branch: bool = False,
     faults: list[str] = [],  # noqa: B006 - read, never mutated
     fault_log: str | None = None,
-    step_s: float = 0.0,
+    step_s: float | None = None,  # None, not 0: a run saved before the key existed resumes (its config has none)
 ) -> nn.Module:
     parsed = []
     for fault in faults:
