@@ -72,7 +72,7 @@ format: install
 bench: install
 	.venv/bin/python bench/harness.py $(ARGS)
 
-# chat_sft against TRL's SFTTrainer (bench/sft_vs_trl.py; a warm-up and 3 rounds, ~65 min on 2 cores).
+# chat_sft against TRL's SFTTrainer (bench/sft_vs_trl.py; a warm-up and 3 rounds, ~55 min on 2 cores).
 # TRL is the benchmark's alone: installed into a second environment, .venv's files hard-linked as for
 # the Ray floor, never into .venv or the lock.
 TRL := 1.16.0

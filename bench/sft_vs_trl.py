@@ -1,9 +1,10 @@
 """chat_sft against TRL's SFTTrainer: the same model, conversations, hyper-parameters and number of
 processes, each side at each of its batch shapes (padded, grouped by length, packed), alternating
-in every round; each round its own seed, after a warm-up round that is not counted (the first runs of
-a session read both environments' files from disk, and the first round was the slowest on every side).
+in every round; each round its own seed, after a warm-up run of each side's runner that is not
+counted (the first runs of a session read both environments' files from disk: without it the first
+round was the slowest on every side).
 
-    make bench-trl                                   # a warm-up and 3 rounds of the six sides (~65 min on 2 cores)
+    make bench-trl                                   # warm-up, 3 rounds of the six sides (~55 min on 2 cores)
     make bench-trl ARGS="--rounds 1 --no-warmup --sides S,T"   # a quick look
 
 Side S is `raytrain-ddp train chat_sft`; side T is TRL's SFTTrainer under torchrun
@@ -254,7 +255,7 @@ def markdown(results: dict) -> str:
         f"epoch; {w['padding_share_in_order']:.0%} of a batch of {HYPER['batch_size']} is padding in file order. "
         f"{results['workers']} processes, LoRA r={HYPER['lora_r']} on every linear layer, {HYPER['epochs']} epochs, "
         f"lr {HYPER['lr']}, max_length {HYPER['max_length']}. Median [min-max] of {results['rounds']} rounds "
-        f"(seeds 0, 1, ...){', after a warm-up round of every side (not counted)' if results.get('warmup') else ''}.",
+        f"(seeds 0, 1, ...){', after a warm-up run of each runner (not counted)' if results.get('warmup') else ''}.",
         "",
         "| side | tokens/s | slowest epoch, s | peak RSS of a worker, MB | validation loss |",
         "|---|---|---|---|---|",
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-python", required=True, help="the python of the environment that has TRL")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up round")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     parser.add_argument("--sides", default=",".join(SIDES))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--train-rows", type=int, default=400)
@@ -338,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": not args.no_warmup,
         "runs": [],
     }
-    if not args.no_warmup:  # every side once, in the last round's order, with a seed no round uses
-        for side in sides if args.rounds % 2 == 0 else sides[::-1]:
+    if not args.no_warmup:  # each runner once (its first side), with a seed no round uses
+        for runner in dict.fromkeys(SIDES[side][0] for side in sides):
+            side = next(side for side in sides if SIDES[side][0] == runner)
             warm = run_side(side, args.rounds, work, args.trl_python, args.workers)
             print(json.dumps({"warm-up (not counted)": warm}), flush=True)
     for seed in range(args.rounds):
