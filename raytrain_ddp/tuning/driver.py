@@ -320,12 +320,15 @@ def _row(plan: Sweep, result: Any) -> Row:
     config = plan.config
     score, epochs = config.checkpoint.score_attribute, config.train.epochs
     trial = trials.trial_config(config, dict(result.config), name)
-    best = (planning.resume_point(trial.run.path, trial).best or {}).get(score)
-    epoch = float((result.metrics or {}).get("epoch", 0))
+    standing = planning.resume_point(trial.run.path, trial)
+    best = (standing.best or {}).get(score)
+    # Tune's last result, or further where the run's epochs outran Tune's reading of its reports
+    epoch = max(float((result.metrics or {}).get("epoch", 0)), standing.epoch)
     if result.error is not None:
         status = "failed"
-    elif epoch >= epochs:
+    elif epoch >= epochs:  # a stop that reached it only as its last epoch landed is forgotten
         status = "finished"
+        trials.clear_stopped(trial.run.path)
     elif trials.stopped_at(trial.run.path) is not None:
         status = "stopped"
     else:

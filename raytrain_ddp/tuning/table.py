@@ -20,7 +20,7 @@ from rich.table import Table
 from raytrain_ddp.cluster import capacity
 from raytrain_ddp.config.search import Space
 from raytrain_ddp.driver.console import PLACEMENT_GROUP
-from raytrain_ddp.tuning.trial import mark_stopped
+from raytrain_ddp.tuning.trial import mark_stopped, trained_to_the_end
 
 logger = logging.getLogger(__name__)
 REDRAW_S = 1.0
@@ -109,8 +109,11 @@ class Trials(tune.Callback):
         # controller with it, before the controller removed its workers' placement group.
         if group := (trial.last_result or {}).get(PLACEMENT_GROUP):
             capacity.remove(group)
-        if epoch < self.epochs:  # the scheduler stopped it: noted, so a restored sweep stands by it
-            mark_stopped(f"{self.storage_path}/{trial}", trial.last_result)
+        run_path = f"{self.storage_path}/{trial}"
+        if epoch < self.epochs and not trained_to_the_end(run_path, self.epochs):
+            # the scheduler stopped it: noted, so a restored sweep stands by it. (Its epochs may outrun
+            # Tune's reading of its reports: one whose last epoch's checkpoint is whole had finished.)
+            mark_stopped(run_path, trial.last_result)
             self._say(f"{trial}: stopped by the scheduler at epoch {epoch:g} (trailing the others)")
         else:
             self._say(f"{trial}: finished")

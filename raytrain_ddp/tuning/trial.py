@@ -8,6 +8,7 @@ from the run's own checkpoints (or, finished, answers from its record and report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from ray import tune
 from rich.console import Console
 
 from raytrain_ddp import ray_compat
+from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.checkpoint import storage
 from raytrain_ddp.config.layering import with_overrides, yaml_value
 from raytrain_ddp.config.schema import Config, SweepSettings
@@ -87,6 +89,18 @@ def train(sampled: dict[str, Any], *, base: dict[str, Any]) -> None:
 
 def mark_stopped(run_path: str, metrics: Mapping[str, Any]) -> None:
     storage.write_text(f"{run_path}/{STOPPED_FILE}", json.dumps(tune_metrics(metrics)))
+
+
+def trained_to_the_end(run_path: str, epochs: int) -> bool:
+    """Whether a trial's run holds its last epoch's checkpoint, whole (its manifest is written last)."""
+    return storage.read_text(f"{run_path}/{ckpt.dir_name(epochs, 0, 0)}/{ckpt.MANIFEST_FILE}") is not None
+
+
+def clear_stopped(run_path: str) -> None:
+    """Forget a stop that came as the trial's last epoch landed: its run finished."""
+    fs, path = storage.locate(f"{run_path}/{STOPPED_FILE}")
+    with contextlib.suppress(FileNotFoundError):
+        fs.delete_file(path)
 
 
 def stopped_at(run_path: str) -> dict[str, Any] | None:
