@@ -302,15 +302,18 @@ def unrecorded(run_path: str, latest: str | None) -> list[ray.train.Checkpoint]:
     return [ray.train.Checkpoint(path, filesystem=fs) for _, path in sorted(newer, reverse=True)]
 
 
-def reported(run_path: str, record: ray.train.Result | None) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:
+def reported(
+    run_path: str, record: ray.train.Result | None, listed: list[ray.train.Checkpoint] | None = None
+) -> list[tuple[ray.train.Checkpoint, dict[str, Any]]]:
     """A run's checkpoints with the metrics reported with each, for ranking (`best_first`): Ray's
     record's, and those newer than its latest that verify but were never recorded (the run stopped as
     they landed, and nothing trained since to report them again), with the metrics they hold. A run
-    that ended so has its last checkpoints there alone."""
+    that ended so has its last checkpoints there alone. `listed`: those `unrecorded` already gave."""
     committed = list(record.best_checkpoints) if record is not None else []
-    latest = None if record is None else Path(record.checkpoint.path).name
+    if listed is None:
+        listed = unrecorded(run_path, None if record is None else Path(record.checkpoint.path).name)
     whole = []
-    for checkpoint in unrecorded(run_path, latest):
+    for checkpoint in listed:
         with checkpoint.as_directory() as directory:
             try:
                 whole.append((checkpoint, open_verified(directory).metrics()))

@@ -211,7 +211,7 @@ def resume_point(run_path: str, config: Config) -> ResumePoint:
     if latest is None and not unrecorded:
         return ResumePoint()
     c = config.checkpoint
-    ranked = ckpt.best_first(ckpt.reported(run_path, record), c.score_attribute, c.score_order)
+    ranked = ckpt.best_first(ckpt.reported(run_path, record, unrecorded), c.score_attribute, c.score_order)
     best = ranked[0][1] if ranked else None
     # An elastic run's number of workers is what the cluster has room for when they start: the workers
     # pass over a mid-epoch checkpoint of another number themselves.
