@@ -11,6 +11,12 @@ A checkpoint is a directory:
     metrics.json    the metrics reported with it
     manifest.json   size and sha256 of each file above; written last, so no manifest = not a checkpoint
 
+Under FSDP2 (scaling.strategy=fsdp) the model and the optimizer state are sharded: `shards/` holds
+torch.distributed.checkpoint's files (`.metadata` and a `__<rank>_0.distcp` of each rank's shards),
+every rank writing its own, and there is no model.pt; train_state.pt then holds the rest of the
+updater's state. The manifest lists every shard. `Verified.model_state` assembles the whole model
+from the shards in one process (registration, comparisons): no process group, no sharded model.
+
 Tensors load with `torch.load(weights_only=True)`: reading a checkpoint never unpickles arbitrary
 objects. Reading starts with `open_verified`, which checks the manifest once; `open_first_verified`
 walks a run's checkpoints (newest first, or best first) and opens the first that verifies, naming
@@ -38,6 +44,7 @@ import logging
 import math
 import random
 import re
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,7 +62,9 @@ STATE_FILE = "train_state.pt"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.json"
 MANIFEST_FILE = "manifest.json"
+SHARDS_DIR = "shards"  # FSDP2: torch.distributed.checkpoint's files, every rank's shards
 PARTS = (MODEL_FILE, STATE_FILE, CONFIG_FILE, METRICS_FILE)
+SHARDED_PARTS = (STATE_FILE, CONFIG_FILE, METRICS_FILE)  # rank 0's, beside every rank's shards
 FILES = (*PARTS, MANIFEST_FILE)  # in the order they are written and uploaded: the manifest last
 MID_EPOCH = "mid-epoch"  # why a checkpoint of another number of workers is passed over (`resumable_on`)
 
@@ -104,21 +113,30 @@ def position(name: str) -> tuple[int, int, int] | None:
 def save(
     directory: str | Path,
     *,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     state: TrainingState,
     config: dict[str, Any],
     metrics: dict[str, Any],
-) -> None:
-    """Write a complete checkpoint into an empty `directory` (rank 0 only)."""
+    shards: dict[str, dict[str, Any]] | None = None,
+) -> tuple[str, ...]:
+    """Write a complete checkpoint into an empty `directory` (rank 0 only): with `model`, its weights;
+    sharded (`model` None), the manifest lists `shards` (every rank's `digests` of SHARDS_DIR, written
+    on storage already) instead. Returns the files written, in their order, the manifest last."""
     directory = Path(directory)
-    torch.save(model_weights(model), directory / MODEL_FILE)
+    parts = PARTS if model is not None else SHARDED_PARTS
+    if model is not None:
+        torch.save(model_weights(model), directory / MODEL_FILE)
     torch.save(asdict(state), directory / STATE_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     (directory / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    manifest = {
-        name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in PARTS
-    }
+    manifest = digests(directory, parts) | {f"{SHARDS_DIR}/{name}": digest for name, digest in (shards or {}).items()}
     (directory / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": manifest}, indent=2))
+    return (*parts, MANIFEST_FILE)
+
+
+def digests(directory: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of each file `names` of `directory`, as the manifest lists them."""
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)} for name in names}
 
 
 def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -172,7 +190,15 @@ class Verified:
 
     directory: Path
 
+    @property
+    def sharded(self) -> bool:
+        """Written under FSDP2: the model and optimizer state are in SHARDS_DIR."""
+        return (self.directory / SHARDS_DIR).is_dir()
+
     def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's saved weights, whole (a sharded checkpoint's assembled from every rank's shards)."""
+        if self.sharded:
+            return _assembled(self.directory / SHARDS_DIR, "model.")
         return torch.load(self.directory / MODEL_FILE, map_location="cpu", weights_only=True)
 
     def training_state(self) -> TrainingState:
@@ -183,6 +209,24 @@ class Verified:
 
     def metrics(self) -> dict[str, Any]:
         return json.loads((self.directory / METRICS_FILE).read_text())
+
+
+def _assembled(shards: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` of a torch.distributed.checkpoint directory, whole, read in this one
+    process (DCP's no_dist load: each tensor's shards, from every rank that wrote one, put together)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
+    whole = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(whole, storage_reader=dcp.FileSystemReader(shards), no_dist=True)
+    return {key.removeprefix(prefix): tensor for key, tensor in whole.items()}
 
 
 def open_verified(directory: str | Path) -> Verified:

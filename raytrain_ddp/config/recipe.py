@@ -32,6 +32,10 @@ and, optionally:
     count_flops(model, batch) -> number                    # FLOPs of one training step (forward + backward) on
                                                            # the batch, for a model torch's FLOP counter cannot
                                                            # count (raytrain_ddp/worker/flops.py): reports MFU
+    shard_blocks(model) -> [module class or module]        # scaling.strategy=fsdp: the repeated blocks FSDP2
+                                                           # shards one by one (then the root); default: a
+                                                           # Hugging Face model's own (its _no_split_modules,
+                                                           # the decoder layers), else the root alone
 
 `compute_loss` may also return `(sum, count)`: a loss summed over `count` items (tokens, say) of the
 batch. The service then divides each optimizer step's gradient by the count of the whole global batch
@@ -86,6 +90,7 @@ OPTIONAL = (
     "build_empty_model",
     "log_model",
     "count_flops",
+    "shard_blocks",
 )
 # Keywords the service passes beside the YAML's, to the functions that name them.
 SERVICE_KWARGS = {"build_model": ("precision", "fitted"), "build_datasets": ("seed", "model")}
@@ -121,6 +126,7 @@ class Recipe:
     build_empty_model: Callable[..., Any] | None = None
     log_model: Callable[..., Any] | None = None
     count_flops: Callable[..., float] | None = None
+    shard_blocks: Callable[..., list[Any]] | None = None
 
     @property
     def holds_large_model(self) -> bool:

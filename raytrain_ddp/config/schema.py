@@ -167,6 +167,12 @@ class ScalingSettings(_Section):
         description="elastic num_workers: how often Ray Train looks for room for more workers; a grow restarts the "
         "workers from the newest checkpoint they can resume (an epoch's end, or mid-epoch on as many workers)",
     )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: every worker holds the whole model, its gradients and optimizer state (settings: ddp.*); "
+        "fsdp: PyTorch's FSDP2, each worker holds 1/N of them, its repeated blocks gathered one at a time, and "
+        "checkpoints are written in shards by every worker (settings: fsdp.*); see docs/scaling.md",
+    )
     use_gpu: bool = Field(False, description="one GPU per worker, NCCL backend; false = CPU, gloo")
     resources_per_worker: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 1.0},
@@ -229,6 +235,27 @@ class DDPSettings(_Section):
     bucket_cap_mb: float = Field(25.0, gt=0, description="all-reduce bucket size in MiB")
     sync_batchnorm: bool = Field(
         False, description="BatchNorm statistics over the global batch (SyncBatchNorm; torch supports it on GPUs only)"
+    )
+
+
+class FSDPSettings(_Section):
+    """FSDP2 (torch.distributed.fsdp.fully_shard), for scaling.strategy=fsdp: each of the model's blocks
+    (the recipe's shard_blocks, else a Hugging Face model's decoder layers) is sharded, then the root."""
+
+    reshard_after_forward: bool = Field(
+        True,
+        description="free each block's gathered parameters after its forward and gather them again for the "
+        "backward (least memory); false keeps them until the backward (one all-gather less a step, more memory)",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="train.precision=bf16: the dtype gradients are reduced in (fp32: exact sums of bf16 "
+        "gradients; bf16: half the traffic)",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="keep the sharded parameters, gradients and optimizer state in CPU memory, copied to the GPU "
+        "for each block's forward and backward (the optimizer steps on CPU): larger models, slower steps; GPUs only",
     )
 
 
@@ -405,6 +432,7 @@ class Config(_Section):
     scaling: ScalingSettings = Field(default_factory=ScalingSettings)
     data: DataSettings = Field(default_factory=DataSettings)
     ddp: DDPSettings = Field(default_factory=DDPSettings)
+    fsdp: FSDPSettings = Field(default_factory=FSDPSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     run: RunSettings = Field(default_factory=RunSettings)
     mlflow: MLflowSettings = Field(default_factory=MLflowSettings)
@@ -435,6 +463,34 @@ class Config(_Section):
                 "ddp.sync_batchnorm=true needs GPUs (torch's SyncBatchNorm rejects CPU tensors); "
                 "set scaling.use_gpu=true or ddp.sync_batchnorm=false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _settings_of_the_strategy(self) -> Config:
+        """The settings of the strategy not chosen mean nothing: one set differently is refused, as are
+        what FSDP2 here does not take."""
+        fsdp = self.scaling.strategy == "fsdp"
+        unused, section = (self.ddp, "ddp") if fsdp else (self.fsdp, "fsdp")
+        changed = [f"{section}.{k}" for k, v in unused.model_dump().items() if v != type(unused)().model_dump()[k]]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} set, but scaling.strategy={self.scaling.strategy} does not use {section}.* "
+                f"settings: remove them, or set scaling.strategy={'ddp' if fsdp else 'fsdp'}"
+            )
+        if not fsdp:
+            return self
+        if self.train.precision == "fp16":
+            raise ValueError(
+                "train.precision=fp16 is not offered with scaling.strategy=fsdp (its loss scaler would need every "
+                "shard's overflow check): use train.precision=bf16"
+            )
+        if self.checkpoint.upload == "async":
+            raise ValueError(
+                "checkpoint.upload=async is not offered with scaling.strategy=fsdp (every worker writes its own "
+                "shards, then the manifest is written): use checkpoint.upload=sync"
+            )
+        if self.fsdp.cpu_offload and not self.scaling.use_gpu:
+            raise ValueError("fsdp.cpu_offload=true needs GPUs (it moves GPU memory to CPU): set scaling.use_gpu=true")
         return self
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ import torch
 from raytrain_ddp.config.layering import yaml_value
 from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config, ConfigError
-from raytrain_ddp.worker import flops
+from raytrain_ddp.worker import flops, sharding
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.metrics import reported_metrics
 
@@ -54,6 +54,8 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
     model = calls.run("build_empty_model" if meta else "build_model", recipe.make_model, config, fitted, empty=meta)
     if model is None:
         raise RecipeFailed(recipe, calls.problems)
+    if config.scaling.strategy == "fsdp" and recipe.shard_blocks is not None:
+        calls.expect("shard_blocks", calls.run("shard_blocks", _blocks_problem, recipe, model))
     loss = calls.run("compute_loss", _training_loss, recipe, model, example, meta)
     if loss is not None:
         calls.expect("compute_loss", _loss_problem(loss, meta))
@@ -82,6 +84,18 @@ def check_recipe(config: Config, recipe: Recipe, example: dict[str, torch.Tensor
         raise RecipeFailed(recipe, calls.problems)
     counts_tokens = recipe.count_tokens is not None
     return RecipeCheck(reported_metrics(val_names, counts_tokens, counts_flops=model_flops.known), model_flops)
+
+
+def _blocks_problem(recipe: Recipe, model: torch.nn.Module) -> str | None:
+    """scaling.strategy=fsdp: what is wrong with the blocks the recipe names, if anything."""
+    named = list(recipe.shard_blocks(model) or ())
+    if named and not sharding.blocks(recipe, model):
+        shown = ", ".join(getattr(n, "__name__", type(n).__name__) for n in named[:5])
+        return (
+            f"names {shown}, and the model ({type(model).__name__}) holds none of them: return the classes of "
+            "its repeated blocks (or the blocks), or nothing to shard the model at its root alone"
+        )
+    return None
 
 
 def check_score(config: Config, reported: set[str]) -> list[str]:

@@ -25,6 +25,7 @@ RESUMABLE = (
     "ddp.gradient_as_bucket_view",
     "ddp.find_unused_parameters",
     "ddp.static_graph",
+    "fsdp.reshard_after_forward",
     "checkpoint.",
     "run.storage_path",
     "run.max_failures",

@@ -1,9 +1,10 @@
 """The program every Ray Train worker runs: build, resume, train, evaluate, report.
 
 `driver.run` starts it through TorchTrainer. Two names for the model: `model` is what we build, save
-and evaluate; `ddp_model` is the DDP wrapper we train through. Every rank reports at the end of each
-epoch and every `checkpoint.every_n_steps` steps (`ray.train.report` is a barrier); only rank 0 writes
-the checkpoint. Metrics are global: sums and counts are combined across ranks before anything is
+and evaluate; `ddp_model` is the DDP wrapper we train through (under FSDP2, `model` itself, sharded in
+place, or compiled). Every rank reports at the end of each epoch and every `checkpoint.every_n_steps`
+steps (`ray.train.report` is a barrier); only rank 0 writes the checkpoint (under FSDP2 every rank
+writes its shards, rank 0 the rest). Metrics are global: sums and counts are combined across ranks before anything is
 reported, so every rank takes the same decisions, stopping included.
 
 Resume is exact: an epoch's data order is a function of (seed, epoch), a checkpoint holds every
@@ -35,6 +36,7 @@ from raytrain_ddp.config.recipe import Recipe
 from raytrain_ddp.config.schema import Config
 from raytrain_ddp.data import datasets as data
 from raytrain_ddp.data import seeds
+from raytrain_ddp.worker import sharding
 from raytrain_ddp.worker.early_stopping import EarlyStopping
 from raytrain_ddp.worker.flops import ModelFlops
 from raytrain_ddp.worker.metrics import (
@@ -51,7 +53,14 @@ from raytrain_ddp.worker.optim import Accumulation, Updater
 from raytrain_ddp.worker.progress import Beacon
 from raytrain_ddp.worker.report import Blocked, StorageRetries, save_and_report
 from raytrain_ddp.worker.resume import resume
-from raytrain_ddp.worker.step import CompiledShapes, evaluate, forward_backward, optimizer_step, row_count, wrap_model
+from raytrain_ddp.worker.step import (
+    CompiledShapes,
+    evaluate,
+    forward_backward,
+    optimizer_step,
+    row_count,
+    trained_module,
+)
 from raytrain_ddp.worker.timeline import WorkerMarks
 
 logger = logging.getLogger(__name__)
@@ -75,7 +84,7 @@ class Worker:
     flops: ModelFlops  # what a training step costs, and this rank's device's peak: for model FLOP/s and MFU
     early_stopping: EarlyStopping  # the score's patience counter: the same on every rank
     beacon: Beacon  # rank 0's live progress, sent to the driver between reports (progress.py)
-    ddp_model: torch.nn.Module  # what trains: `model` in DDP (compiled inside, if asked for)
+    ddp_model: torch.nn.Module  # what trains: `model` in DDP, or sharded (compiled inside, if asked for)
     storage_retries: StorageRetries  # rank 0's storage errors retried, until its next report
 
 
@@ -158,11 +167,11 @@ def _build_and_resume(config: Config, loop_config: dict[str, Any]) -> tuple[Work
     marks.mark("loop")
     accumulation = Accumulation.on(config, loop_config["train_rows"], worker_data.world_size)
 
-    # 1. Build the same model on every rank, wrap it in DDP (compiled inside, if asked for), then
-    #    optimizer, schedule and precision.
+    # 1. Build the same model on every rank, wrap it in DDP or shard it (compiled inside, if asked
+    #    for), then optimizer, schedule and precision.
     torch.manual_seed(config.seed)
     model = recipe.make_model(config, loop_config["fitted"])
-    ddp_model = wrap_model(model, config.ddp, config.train.compile)
+    ddp_model = trained_module(model, config, recipe, device)
     updater = Updater(model, config.train, accumulation.steps, device)
 
     # 2. Resume where the newest checkpoint that verifies left off (to the micro-batch, with every
@@ -241,20 +250,30 @@ def evaluate_and_checkpoint(
     run would not have); the report that spends it says why, with its checkpoint, and training ends."""
     config, model, recipe = worker.config, worker.model, worker.recipe
     own_buffers = not config.ddp.broadcast_buffers
+    sharded = sharding.is_sharded(model)  # every forward pass is a collective: every rank takes part
+    example = {name: column.to(worker.data.device) for name, column in worker.example.items()}
     with meter.paused(), _rank0_buffers(model, keep_own=own_buffers), worker.updater.autocast():
+        state_bytes = sharding.state_bytes(model, worker.updater.optimizer)
         metrics = {
             "epoch": at.epoch + at.batches / worker.accumulation.micro_batches,
             "step": at.step,
             "workers": worker.data.world_size,
             "lr": worker.updater.lr,
-            **combine(meter, recipe.count_tokens is not None, worker.data.device, worker.flops),
-            **{f"val_{name}": value for name, value in evaluate(model, recipe, worker.data.val_batches()).items()},
+            **combine(meter, recipe.count_tokens is not None, worker.data.device, worker.flops, state_bytes),
+            **{
+                f"val_{name}": value
+                for name, value in evaluate(
+                    model, recipe, worker.data.val_batches(), filler=example if sharded else None
+                ).items()
+            },
             "epoch_time_s": meter.epoch_time_s(),
             **asdict(blocked),
             **worker.marks.pop(),
         }
-        if recipe.generate_samples is not None and worker.rank == 0:  # rank 0's report is the one logged
-            metrics[GENERATED] = _generate(model, recipe, worker.example, worker.data.device)
+        if recipe.generate_samples is not None and (worker.rank == 0 or sharded):
+            generated = _generate(model, recipe, example)
+            if worker.rank == 0:  # rank 0's report is the one logged
+                metrics[GENERATED] = generated
         bad_files = None
         if worker.data.reads_files:
             read, bad_files = _stream_read(worker)
@@ -271,21 +290,19 @@ def evaluate_and_checkpoint(
             metrics[STOPPED_EARLY] = early.reason()
         rng, meters = zip(*all_gather((ckpt.rng_state(), meter.state_dict() if at.batches else None)))
         meters = list(meters) if at.batches else []
-        state = ckpt.TrainingState(
-            at.epoch, at.step, worker.updater.state_dict(), list(rng), at.batches, meters, early.state_dict()
-        )
+        updater = worker.updater.state_dict(with_optimizer=not sharded)  # sharded: in every rank's shards
+        state = ckpt.TrainingState(at.epoch, at.step, updater, list(rng), at.batches, meters, early.state_dict())
         name = ckpt.dir_name(at.epoch, at.step, at.batches)
         name = f"{name}-retrained" if name in worker.retrained else name
-        return save_and_report(metrics, model, state, config, worker.rank, name, worker.storage_retries)
+        optimizer = worker.updater.optimizer if sharded else None
+        return save_and_report(metrics, model, state, config, worker.rank, name, worker.storage_retries, optimizer)
 
 
-def _generate(
-    model: torch.nn.Module, recipe: Recipe, example: dict[str, torch.Tensor], device: torch.device
-) -> list[dict[str, str]]:
+def _generate(model: torch.nn.Module, recipe: Recipe, example: dict[str, torch.Tensor]) -> list[dict[str, str]]:
     """What the model generates from the example rows (the recipe says how), in eval mode."""
     model.eval()
     with torch.no_grad():
-        return recipe.generate_samples(model, {name: column.to(device) for name, column in example.items()})
+        return recipe.generate_samples(model, example)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ TRAIN_METRICS = (
     "data_wait_fraction",
     "data_wait_fraction_per_worker",
     "peak_memory_mb",
+    "model_state_mb",  # parameters, gradients and optimizer state held by the most loaded worker
     "val_samples",
     "val_samples_per_worker",
     "epoch_time_s",
@@ -162,11 +163,14 @@ class EpochMeter:
 
 
 def combine(
-    meter: EpochMeter, counts_tokens: bool, device: torch.device, flops: ModelFlops | None = None
+    meter: EpochMeter, counts_tokens: bool, device: torch.device, flops: ModelFlops | None = None, state_bytes: int = 0
 ) -> dict[str, Any]:
-    """The epoch's global training metrics, the same on every rank."""
+    """The epoch's global training metrics, the same on every rank. `state_bytes`: what this rank holds
+    of the model's parameters, gradients and optimizer state (sharding.state_bytes)."""
     meter.settle()
-    gathered = all_gather((asdict(meter), _peak_memory_mb(device), flops.peak if flops else None))
+    gathered = all_gather((asdict(meter), _peak_memory_mb(device), flops.peak if flops else None, state_bytes))
+    states = [state for *_, state in gathered]
+    gathered = [part[:3] for part in gathered]
     parts = [EpochMeter(**fields) for fields, _, _ in gathered]
     samples = sum(p.samples for p in parts)
     steady = [_steady(p) for p in parts]
@@ -185,6 +189,7 @@ def combine(
         / max(sum(p.data_wait_s + p.compute_s for p in parts), 1e-9),
         "data_wait_fraction_per_worker": [p.data_wait_s / max(p.data_wait_s + p.compute_s, 1e-9) for p in parts],
         "peak_memory_mb": max(memory for _, memory, _ in gathered),
+        "model_state_mb": max(states) / 2**20,
     }
     if counts_tokens:
         tokens = sum(p.tokens for p in parts)

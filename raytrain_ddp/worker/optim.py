@@ -70,15 +70,14 @@ class Updater:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-        }
+    def state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """Without the optimizer's state where it is sharded (FSDP2): every rank saves its shards of it."""
+        optimizer = {"optimizer": self.optimizer.state_dict()} if with_optimizer else {}
+        return optimizer | {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # else loaded from the checkpoint's shards
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
@@ -109,10 +108,16 @@ def build_optimizer(model: torch.nn.Module, train: TrainSettings) -> torch.optim
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    fused = {"fused": True} if all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params) else {}
+    fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    # Sharded (FSDP2: DTensors), torch has a fused AdamW and no fused SGD (no sharding rule for it).
+    fused = {"fused": True} if fused and (train.optimizer == "adamw" or not _sharded(params)) else {}
     if train.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum, **fused)
     return torch.optim.AdamW(groups, lr=train.lr, **fused)
+
+
+def _sharded(params: list[torch.nn.Parameter]) -> bool:
+    return any(hasattr(p, "to_local") for p in params)  # DTensors
 
 
 def lr_factor(step: int, train: TrainSettings, steps_per_epoch: int) -> float:

@@ -1,6 +1,6 @@
 """A checkpoint saved and reported: rank 0 writes it and uploads it to the run's storage (sync), or Ray
-does (async); every rank reports, the same number of times, and learns from rank 0 how the upload
-went."""
+does (async), each rank first uploading its own shards under FSDP2; every rank reports, the same
+number of times, and learns from rank 0 how the upload went."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import queue
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray.train
@@ -20,6 +22,7 @@ from ray.train import CheckpointUploadMode
 from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.checkpoint import storage
 from raytrain_ddp.config.schema import Config
+from raytrain_ddp.worker import sharding
 from raytrain_ddp.worker.metrics import (
     STOPPED,
     STORAGE_RETRIED,
@@ -45,26 +48,38 @@ def save_and_report(
     rank: int,
     name: str,
     retries: StorageRetries,
+    sharded_optimizer: torch.optim.Optimizer | None = None,
 ) -> Blocked | None:
-    """Report with rank 0's checkpoint. Returns how long training was blocked, or None when the
-    checkpoint could not be written and the run must stop (every rank then reports why).
+    """Report with the checkpoint of where training stands. Returns how long training was blocked, or
+    None when the checkpoint could not be written and the run must stop (every rank then reports why).
 
     Rank 0 writes the checkpoint to a local directory, and `storage.upload` copies it to the run's
     directory, the manifest last, retrying transient storage errors (checkpoint.upload_retry_s); one
-    that is not transient, or lasts, leaves nothing of it that looks like a checkpoint. sync: the
-    upload ends before the report, so the report returns once the checkpoint is whole on storage.
-    Training goes on without waiting for Ray's controller to record it: a worker that dies before it
-    does leaves the checkpoint on storage, where the restart finds it (`_resume`). Every rank learns
-    from rank 0 how the upload went: a storage that stays down, is full or refuses this writer stops
-    the run (a restart would train again to the same failed write), any other error fails the
-    attempt on every rank (Ray restarts it, within run.max_failures). async: Ray uploads it in a
-    background thread; training goes on at once, and a failure before the upload ends (a failed
+    that is not transient, or lasts, leaves nothing of it that looks like a checkpoint. Sharded
+    (`sharded_optimizer`: FSDP2), every rank first writes and uploads its own shards (`_upload_shards`).
+    sync: the upload ends before the report, so the report returns once the checkpoint is whole on
+    storage. Training goes on without waiting for Ray's controller to record it: a worker that dies
+    before it does leaves the checkpoint on storage, where the restart finds it (`_resume`). Every rank
+    learns from rank 0 how the upload went: a storage that stays down, is full or refuses this writer
+    stops the run (a restart would train again to the same failed write), any other error fails the
+    attempt on every rank (Ray restarts it, within run.max_failures). async (DDP only): Ray uploads it
+    in a background thread; training goes on at once, and a failure before the upload ends (a failed
     upload too) fails the attempt, which resumes from the checkpoint before."""
     started = time.perf_counter()
-    local = None
-    if rank == 0:
+    shards, failed = {}, None
+    if sharded_optimizer is not None:
+        shards, failed = _upload_shards(model, sharded_optimizer, config, name, retries)
+    local, files = None, ckpt.FILES
+    if rank == 0 and failed is None:
         local = tempfile.mkdtemp(prefix=f"raytrain_ddp-{name}-")
-        ckpt.save(local, model=model, state=state, config=config.to_dict(), metrics=strip_marks(metrics))
+        files = ckpt.save(
+            local,
+            model=None if sharded_optimizer is not None else model,
+            state=state,
+            config=config.to_dict(),
+            metrics=strip_marks(metrics),
+            shards=shards,
+        )
     if config.checkpoint.upload == "async":
         ray.train.report(
             metrics | retries.pop(),
@@ -72,13 +87,15 @@ def save_and_report(
             checkpoint_dir_name=name,
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             delete_local_checkpoint_after_upload=True,
-            checkpoint_upload_fn=lambda checkpoint, _name: _upload(checkpoint.path, name, config, retries, by_ray=True),
+            checkpoint_upload_fn=lambda checkpoint, _name: _upload(
+                checkpoint.path, name, files, config, retries, by_ray=True
+            ),
         )
         return Blocked(checkpoint_s=time.perf_counter() - started)
-    uploaded, failed = None, None
+    uploaded = None
     if local is not None:
         try:
-            uploaded = _upload(local, name, config, retries)
+            uploaded = _upload(local, name, files, config, retries)
         except OSError as e:
             failed = _upload_failed(name, config, e)
     stops, problem = all_gather(failed)[0] or (False, None)  # rank 0's
@@ -94,6 +111,27 @@ def save_and_report(
         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,  # on storage already
     )
     return Blocked(checkpoint_s=time.perf_counter() - started)
+
+
+def _upload_shards(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, name: str, retries: StorageRetries
+) -> tuple[dict[str, dict[str, Any]], tuple[bool, str] | None]:
+    """Every rank writes its shards of the model and optimizer state (DCP, collectively) and uploads
+    them into the checkpoint's directory on storage. Returns every rank's shards with their digests,
+    for rank 0's manifest, and the first rank's upload failure, if any (the same on every rank)."""
+    local = Path(tempfile.mkdtemp(prefix=f"raytrain_ddp-{name}-shards-"))
+    digests, failed = {}, None
+    try:
+        written = sharding.save(local, model, optimizer)
+        digests = ckpt.digests(local, written)
+        _upload(str(local), f"{name}/{ckpt.SHARDS_DIR}", written, config, retries)
+    except OSError as e:
+        failed = _upload_failed(name, config, e)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    parts = all_gather((digests if failed is None else {}, failed))
+    failed = next((f for _, f in parts if f is not None), None)
+    return {shard: digest for own, _ in parts for shard, digest in own.items()}, failed
 
 
 class StorageRetries:
@@ -116,17 +154,18 @@ class StorageRetries:
 
 
 def _upload(
-    local: str, name: str, config: Config, retries: StorageRetries, by_ray: bool = False
+    local: str, name: str, files: Sequence[str], config: Config, retries: StorageRetries, by_ray: bool = False
 ) -> ray.train.Checkpoint:
-    """Copy the checkpoint written in `local` to the run's directory on storage, as `name`, then
-    remove `local`. `by_ray`: the upload is Ray's (async), which removes `local` once it succeeds and
-    may call again after a transient error, so `local` stays until then."""
+    """Copy `files` of the checkpoint written in `local` to the run's directory on storage, as `name`
+    (a shards' directory: `<name>/shards`), then remove `local`. `by_ray`: the upload is Ray's (async),
+    which removes `local` once it succeeds and may call again after a transient error, so `local`
+    stays until then."""
     run_storage = ray.train.get_context().get_storage()
     fs, where = run_storage.storage_filesystem, run_storage.build_checkpoint_path_from_name(name)
     retried: list[str] = []
     try:
         run_storage._check_validation_file()  # as Ray's own upload does: this node sees the run's storage
-        storage.upload(local, fs, where, ckpt.FILES, config.checkpoint.upload_retry_s, retried)
+        storage.upload(local, fs, where, files, config.checkpoint.upload_retry_s, retried)
     except OSError as e:
         if by_ray and not storage.is_transient(e):  # Ray will not call again
             shutil.rmtree(local, ignore_errors=True)

@@ -14,6 +14,7 @@ from ray.train import CheckpointConsistencyMode, CheckpointUploadMode
 
 from raytrain_ddp.checkpoint import format as ckpt
 from raytrain_ddp.config.schema import Config
+from raytrain_ddp.worker import sharding
 from raytrain_ddp.worker.metrics import (
     all_gather,
 )
@@ -53,7 +54,7 @@ def resume(
             )
         if opened.checkpoint is None:  # every checkpoint mid-epoch 1, of another number of workers
             return None, passed_over
-        ckpt.load_weights(model, opened.verified.model_state())
+        _load_model(model, updater, opened)
         state = opened.verified.training_state()
         if not opened.recorded:
             _report_again(opened)
@@ -64,6 +65,22 @@ def resume(
         )
     updater.load_state_dict(state.updater)
     return state, passed_over
+
+
+def _load_model(model: torch.nn.Module, updater: Updater, opened: ckpt.Opened) -> None:
+    """The checkpoint's weights into `model`; sharded, with the optimizer's state, into this rank's
+    shards (resharded where another number of workers wrote them)."""
+    verified, sharded = opened.verified, sharding.is_sharded(model)
+    if verified.sharded != sharded:
+        written, now = ("fsdp", "ddp") if verified.sharded else ("ddp", "fsdp")
+        raise ckpt.CheckpointError(
+            f"checkpoint {opened.name} was written under scaling.strategy={written}; this run trains under {now}: "
+            f"resume it with scaling.strategy={written}"
+        )
+    if sharded:
+        sharding.load(verified.directory / ckpt.SHARDS_DIR, model, updater.optimizer)
+    else:
+        ckpt.load_weights(model, verified.model_state())
 
 
 def _report_again(opened: ckpt.Opened) -> None:

@@ -1,7 +1,7 @@
-"""One training step, top to bottom: the model wrapped in DDP (compiled inside, if asked for), a
-micro-batch's forward and backward (gradients synchronized only on a step's last micro-batch), the
-optimizer step (gradients divided by the step's count, clipped, the schedule stepped), and evaluation
-on this rank's validation rows."""
+"""One training step, top to bottom: the model wrapped in DDP or sharded by FSDP2 (compiled inside, if
+asked for), a micro-batch's forward and backward (gradients synchronized only on a step's last
+micro-batch), the optimizer step (gradients divided by the step's count, clipped, the schedule
+stepped), and evaluation on this rank's validation rows."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ddp.config.recipe import Recipe
-from raytrain_ddp.config.schema import DDPSettings
+from raytrain_ddp.config.schema import Config, DDPSettings
+from raytrain_ddp.worker import sharding
 from raytrain_ddp.worker.metrics import (
     all_gather,
 )
@@ -58,13 +59,21 @@ def forward_backward(
     `optimizer_step` divides the step's gradient by the global count. DDP all-reduces the gradients on
     a step's last micro-batch only; before it they accumulate locally. Returns the loss as the recipe
     did, detached."""
-    last = accumulation.ends_step(i)
-    with contextlib.nullcontext() if last or not hasattr(ddp_model, "no_sync") else ddp_model.no_sync():
+    with _gradients_synced(ddp_model, accumulation.ends_step(i)):
         with updater.autocast():
             loss = compute_loss(ddp_model, batch)
         summed = isinstance(loss, tuple)
         updater.scaler.scale(loss[0] if summed else loss / accumulation.step_size(i)).backward()
     return (loss[0].detach(), loss[1]) if summed else loss.detach()
+
+
+def _gradients_synced(trained: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Gradients reduced across ranks in the backward of a step's last micro-batch only: DDP's no_sync
+    before it; FSDP2's switch, set for each micro-batch (a compiled module passes it on)."""
+    if hasattr(trained, "set_requires_gradient_sync"):
+        trained.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last or not hasattr(trained, "no_sync") else trained.no_sync()
 
 
 def optimizer_step(updater: Updater, clip_norm: float | None, count: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -74,7 +83,7 @@ def optimizer_step(updater: Updater, clip_norm: float | None, count: torch.Tenso
     fp16, inf or nan when the gradients overflowed: the scaler then skips the step, and so does the
     schedule. Without `clip_norm` the gradients are only measured: `clip_grad_norm_` with an infinite
     bound would also multiply every gradient by 1, a second pass (0.3 ms of a 10 ms CPU step of
-    the benchmark's MLP)."""
+    the benchmark's MLP). Under FSDP2 the gradients are shards, and the norm is over all of them."""
     optimizer, scaler = updater.optimizer, updater.scaler
     scaler.unscale_(optimizer)
     if count is not None:
@@ -88,7 +97,7 @@ def optimizer_step(updater: Updater, clip_norm: float | None, count: torch.Tenso
     optimizer.zero_grad(set_to_none=True)
     if scale is None or scaler.get_scale() >= scale:  # a lowered scale means a skipped step
         updater.scheduler.step()
-    return norm.detach()
+    return sharding.full_tensor(norm).detach()
 
 
 def _divide_gradients(parameters: list[torch.nn.Parameter], count: torch.Tensor | int, device: torch.device) -> None:
@@ -101,6 +110,15 @@ def _divide_gradients(parameters: list[torch.nn.Parameter], count: torch.Tensor 
         world = dist.get_world_size()
     if grads := [p.grad for p in parameters if p.grad is not None]:
         torch._foreach_mul_(grads, world / total.clamp(min=1))
+
+
+def trained_module(model: torch.nn.Module, config: Config, recipe: Recipe, device: torch.device) -> torch.nn.Module:
+    """What trains: `model` in DDP (`wrap_model`), or (scaling.strategy=fsdp) `model` itself, sharded
+    in place by FSDP2; compiled inside either, with train.compile."""
+    if config.scaling.strategy == "ddp":
+        return wrap_model(model, config.ddp, config.train.compile)
+    sharding.shard(model, recipe, config, device)
+    return compile_for_training(model) if config.train.compile else model
 
 
 def wrap_model(model: torch.nn.Module, ddp: DDPSettings, compile: bool = False) -> torch.nn.Module:
@@ -139,14 +157,23 @@ def compile_for_training(model: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(model, dynamic=False)
 
 
-def evaluate(model: torch.nn.Module, recipe: Recipe, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
+def evaluate(
+    model: torch.nn.Module,
+    recipe: Recipe,
+    batches: Iterator[dict[str, torch.Tensor]],
+    filler: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """Global validation: the mean of each recipe metric over all ranks' rows, plus `samples` (every
     validation row, each counted once across ranks) and `samples_per_worker`. Leaves `model` in eval
-    mode."""
+    mode. `filler` (FSDP2, where every forward pass is a collective): rows a rank evaluates, and
+    drops, while another rank still has batches of its own."""
     model.eval()
     rows, sums = 0, {}
     with torch.no_grad():
-        for batch in batches:
+        for batch in batches if filler is None else _in_lockstep(batches, filler):
+            if batch is None:
+                recipe.evaluate(model, filler)
+                continue
             for name, (total, count) in recipe.evaluate(model, batch).items():
                 s, n = sums.get(name, (0.0, 0))
                 sums[name] = (s + float(total), n + int(count))
@@ -159,6 +186,22 @@ def evaluate(model: torch.nn.Module, recipe: Recipe, batches: Iterator[dict[str,
         means[name] = total / max(count, 1)
     derived = recipe.derived_metrics(means) if recipe.derived_metrics is not None and means else {}
     return {"samples": sum(r for r, _ in parts), "samples_per_worker": [r for r, _ in parts], **means, **derived}
+
+
+def _in_lockstep(
+    batches: Iterator[dict[str, torch.Tensor]], filler: dict[str, torch.Tensor]
+) -> Iterator[dict[str, torch.Tensor] | None]:
+    """`batches`, then None for as long as another rank still has batches: the ranks' shares of the
+    validation rows may differ by a batch."""
+    device = next(iter(filler.values())).device
+    batches = iter(batches)
+    while True:
+        batch = next(batches, None)
+        more = torch.tensor(int(batch is not None), device=device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more:
+            return
+        yield batch
 
 
 def row_count(batch: dict[str, torch.Tensor]) -> int:
