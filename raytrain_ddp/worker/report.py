@@ -124,7 +124,7 @@ def _upload_shards(
     try:
         written = sharding.save(local, model, optimizer)
         digests = ckpt.digests(local, written)
-        _upload(str(local), f"{name}/{ckpt.SHARDS_DIR}", written, config, retries)
+        _upload(str(local), name, written, config, retries, within=ckpt.SHARDS_DIR)
     except OSError as e:
         failed = _upload_failed(name, config, e)
     finally:
@@ -154,14 +154,21 @@ class StorageRetries:
 
 
 def _upload(
-    local: str, name: str, files: Sequence[str], config: Config, retries: StorageRetries, by_ray: bool = False
+    local: str,
+    name: str,
+    files: Sequence[str],
+    config: Config,
+    retries: StorageRetries,
+    by_ray: bool = False,
+    within: str = "",
 ) -> ray.train.Checkpoint:
     """Copy `files` of the checkpoint written in `local` to the run's directory on storage, as `name`
-    (a shards' directory: `<name>/shards`), then remove `local`. `by_ray`: the upload is Ray's (async),
-    which removes `local` once it succeeds and may call again after a transient error, so `local`
-    stays until then."""
+    (into its subdirectory `within`: a rank's shards), then remove `local`. `by_ray`: the upload is
+    Ray's (async), which removes `local` once it succeeds and may call again after a transient error,
+    so `local` stays until then."""
     run_storage = ray.train.get_context().get_storage()
     fs, where = run_storage.storage_filesystem, run_storage.build_checkpoint_path_from_name(name)
+    where = f"{where}/{within}" if within else where
     retried: list[str] = []
     try:
         run_storage._check_validation_file()  # as Ray's own upload does: this node sees the run's storage

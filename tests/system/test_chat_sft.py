@@ -2,9 +2,10 @@
 model (random weights, a tokenizer trained on the conversations: examples/tiny_chat.py) on the formats
 users bring (conversations, conversational and plain prompt/completion rows in one JSONL; validation
 from Parquet), registration as an MLflow transformers chat model served over HTTP, exact resume of a
-worker killed mid-epoch on packed rows, a damaged adapter checkpoint skipped, and malformed rows refused. No network:
-HF_HUB_OFFLINE. (Token-level loss equivalence across workers and micro-batches: test_ddp.py; which
-tokens train, for each format and template: unit tier.)
+worker killed mid-epoch on packed rows, LoRA under FSDP2 equal to DDP, a damaged adapter checkpoint
+skipped, and malformed rows refused. No network: HF_HUB_OFFLINE. (Token-level loss equivalence across
+workers and micro-batches: test_ddp.py; which tokens train, for each format and template: unit tier;
+full fine-tuning under FSDP2: test_fsdp.py.)
 """
 
 from __future__ import annotations
@@ -151,13 +152,21 @@ def test_the_registered_model_answers_trained_prompts_offline_and_over_http(stra
     assert _answer(served) == answers[0]
 
 
-def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(ray_session, tiny_chat, workspace, record):
-    """dataset.packing=bfd (and batches grouped by length): 3 epochs, a checkpoint every 2 steps; rank 1
-    SIGKILLed 3 micro-batches into epoch 2 resumes from that epoch's checkpoint and ends with the
-    weights of the run that was never interrupted, bit for bit. (Rows apart resume as exactly: the
-    damaged-checkpoint test below; a worker killed mid-epoch on rows apart: test_reliability.py.)"""
-    packed = ("dataset.packing=bfd", "train.epochs=3", "checkpoint.every_n_steps=2", "mlflow.register=never")
-    straight = _run("chat_sft", workspace, tiny_chat, *packed, "run.name=packed")
+# dataset.packing=bfd (and batches grouped by length): 3 epochs, a checkpoint every 2 steps.
+PACKED = ("dataset.packing=bfd", "train.epochs=3", "checkpoint.every_n_steps=2", "mlflow.register=never")
+
+
+@pytest.fixture(scope="module")
+def packed(ray_session, tiny_chat, module_workspace):
+    return _run("chat_sft", module_workspace, tiny_chat, *PACKED, "run.name=packed")
+
+
+def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(packed, tiny_chat, workspace, record):
+    """Packed rows: rank 1 SIGKILLed 3 micro-batches into epoch 2 resumes from that epoch's checkpoint
+    and ends with the weights of the run that was never interrupted, bit for bit. (Rows apart resume as
+    exactly: the damaged-checkpoint test below; a worker killed mid-epoch on rows apart:
+    test_reliability.py.)"""
+    straight = packed
     per_epoch = int(straight.final_metrics["step"]) // 3
     unpacked = -(-(240 // 2) // 8)  # 240 conversations, 2 workers, 8 rows a batch
     assert 0 < per_epoch < unpacked  # fewer rows, so fewer steps
@@ -165,7 +174,7 @@ def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(ray_sessi
     log = workspace.root / "packed-faults"
     log.mkdir()
     kill = ("model.kill_rank=1", f"model.kill_at={per_epoch + 3}", f"model.fault_log={log}", "run.max_failures=1")
-    faulted = _run(FAULTS, workspace, tiny_chat, *packed, *kill, "run.name=packed-faulted")
+    faulted = _run(FAULTS, workspace, tiny_chat, *PACKED, *kill, "run.name=packed-faulted")
 
     def settings(summary) -> dict:  # what was trained: everything but the job, the fault and where it ran
         config = ckpt.open_verified(Path(summary.run_path) / "epoch_0003").config()
@@ -187,6 +196,21 @@ def test_packed_rows_resume_exactly_after_a_worker_is_killed_mid_epoch(ray_sessi
         wasted=per_epoch + 2 - int(resumed.group(2)),  # its last whole step before the kill, less the resumed one
         checkpoints=len([p for p in Path(faulted.run_path).iterdir() if p.is_dir()]),
         versions="0 (mlflow.register=never)",
+    )
+
+
+def test_lora_under_fsdp_trains_the_adapters_ddp_trains(packed, tiny_chat, workspace):
+    """scaling.strategy=fsdp: the frozen base and the adapters sharded across the 2 workers, each
+    checkpoint the adapters' shards alone; the same adapters as DDP's, the same generated answers."""
+    sharded = _run("chat_sft", workspace, tiny_chat, *PACKED, "scaling.strategy=fsdp", "run.name=packed-fsdp")
+
+    final = ckpt.open_verified(Path(sharded.run_path) / "epoch_0003")
+    adapters = final.model_state()
+    assert adapters and all("lora_" in name for name in adapters)  # the trained parameters only
+    expected = ckpt.open_verified(Path(packed.run_path) / "epoch_0003").model_state()
+    torch.testing.assert_close(adapters, expected, rtol=1e-5, atol=1e-6)
+    assert (
+        final.metrics()["generated"] == ckpt.open_verified(Path(packed.run_path) / "epoch_0003").metrics()["generated"]
     )
 
 

@@ -72,6 +72,28 @@ def test_two_workers_of_batch_8_train_the_same_weights_as_one_worker_of_batch_16
     assert not torch.allclose(ddp["body.0.weight"], _initial_weights()["body.0.weight"])  # it did train
 
 
+def test_fsdp_on_2_workers_trains_what_one_worker_trains_and_its_shards_reshard_onto_1_worker(
+    one_worker_batch_16, workspace
+):
+    """scaling.strategy=fsdp: 2 epochs on 2 workers, each writing its own shards; then the run resumed on
+    1 worker (2 micro-batches a step: the global batch kept) for epoch 3, DCP resharding the two ranks'
+    shards onto one. The weights are one worker's of batch 16 after 3 epochs."""
+    sharded = ("scaling.strategy=fsdp", "train.batch_size=8", "run.name=sharded")
+    _run(workspace, *ONE_STEP_AN_EPOCH, *sharded, "train.epochs=2")
+    resumed = _run(workspace, *ONE_STEP_AN_EPOCH, *sharded, "scaling.num_workers=1", "train.grad_accum_steps=2")
+
+    assert resumed.resumed.checkpoint == "epoch_0002"
+    run_dir = Path(resumed.run_path)
+    shards = {
+        n: sorted(p.name for p in (run_dir / n / ckpt.SHARDS_DIR).iterdir()) for n in ("epoch_0002", "epoch_0003")
+    }
+    assert shards == {
+        "epoch_0002": [".metadata", "__0_0.distcp", "__1_0.distcp"],
+        "epoch_0003": [".metadata", "__0_0.distcp"],
+    }
+    torch.testing.assert_close(_weights(resumed), one_worker_batch_16, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def lazy_accumulated(ray_session, module_workspace, tmp_path_factory):
     """2 workers, micro-batches of 4 accumulated 2 at a time, read through Ray Train's Ray Data path (a

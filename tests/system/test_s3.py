@@ -39,14 +39,15 @@ def mlflow_server(s3, tmp_path_factory):
 def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_all_through_s3(
     s3, mlflow_server, tmp_path, record
 ):
-    """A proxy in front of S3 answers "503 SlowDown": to 5 writes of epoch 1's model.pt (more than
+    """FSDP2, so each of the 2 workers writes its own shards to S3 and the resume reads them from it. A
+    proxy in front of S3 answers "503 SlowDown": to 5 writes of rank 0's shard of epoch 1 (more than
     the 3 attempts of pyarrow's own retry strategy: the service retries, and warns), then to every
     write of epoch 2's manifest, its last file (S3 down for good: the run stops, what landed of the
-    checkpoint is removed, and the printed command resumes the run
-    once S3 is back)."""
+    checkpoint, every rank's shards, is removed, and the printed command resumes the run once S3 is
+    back)."""
     storage = f"s3://{s3.bucket}/runs"
     proxy = FaultyS3(s3).start()
-    proxy.fail("runs/on-s3/epoch_0001/model.pt", 5)
+    proxy.fail("runs/on-s3/epoch_0001/shards/__0_0.distcp", 5)
     proxy.fail("runs/on-s3/epoch_0002/manifest.json", None)  # the rest of it lands, and must be removed
     command = [
         "train",
@@ -56,6 +57,7 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
         f"mlflow.tracking_uri={mlflow_server.url}",
         "train.epochs=3",
         "checkpoint.upload_retry_s=4",
+        "scaling.strategy=fsdp",
     ]
 
     try:
@@ -85,12 +87,12 @@ def test_storage_errors_are_retried_or_stop_the_run_which_resumes_and_registers_
 
     assert version.tags[CHECKPOINT_TAG].startswith(f"{storage}/on-s3/epoch_000")
     source = version.tags[CHECKPOINT_TAG].removeprefix(f"s3://{s3.bucket}/")
-    assert s3.keys(f"{source}/manifest.json") and s3.keys(f"{source}/model.pt")
+    assert s3.keys(f"{source}/manifest.json") and len(s3.keys(f"{source}/shards/__")) == 2  # a shard per rank
     assert [key for key in s3.keys("mlflow/") if key.endswith("/MLmodel")]  # MLflow's artifacts, in S3 too
     assert client.get_run(version.run_id).info.status == "FINISHED"
     record(
-        "S3 throttled (503 SlowDown) at checkpoint 1, then down at checkpoint 2 (upload_retry_s=4); "
-        "the printed command run again",
+        "FSDP2 shards on S3 throttled (503 SlowDown) at checkpoint 1, then down at checkpoint 2 "
+        "(upload_retry_s=4); the printed command run again",
         attempts="2 drivers",
         resumed="epoch_0001 (step 4), from S3",
         wasted="4 (epoch 2 again)",

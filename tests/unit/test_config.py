@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,31 @@ def test_sync_batchnorm_and_fp16_on_cpu_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"train.precision=fp16 needs a GPU .* use bf16 or fp32"):
         load_config(TINY, overrides=["train.precision=fp16"])
     assert load_config(TINY, overrides=["ddp.sync_batchnorm=true", "scaling.num_workers=1"]).ddp.sync_batchnorm
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (
+            ["scaling.strategy=fsdp", "ddp.static_graph=true", "ddp.bucket_cap_mb=50"],
+            "ddp.static_graph, ddp.bucket_cap_mb set, but scaling.strategy=fsdp does not use ddp.* settings: "
+            "remove them, or set scaling.strategy=ddp",
+        ),
+        (
+            ["fsdp.reshard_after_forward=false"],
+            "fsdp.reshard_after_forward set, but scaling.strategy=ddp does not use fsdp.* settings: "
+            "remove them, or set scaling.strategy=fsdp",
+        ),
+        (["scaling.strategy=fsdp", "scaling.use_gpu=true", "train.precision=fp16"], "use train.precision=bf16"),
+        (["scaling.strategy=fsdp", "checkpoint.upload=async"], "use checkpoint.upload=sync"),
+        (["scaling.strategy=fsdp", "fsdp.cpu_offload=true"], "fsdp.cpu_offload=true needs GPUs"),
+    ],
+    ids=["ddp-settings-under-fsdp", "fsdp-settings-under-ddp", "fp16", "async-upload", "offload-on-cpu"],
+)
+def test_settings_the_strategy_does_not_take_are_refused_with_the_fix(overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(TINY, overrides=overrides)
+    assert load_config(TINY, overrides=["scaling.strategy=fsdp", "fsdp.reduce_dtype=bf16"]).fsdp.reduce_dtype == "bf16"
 
 
 def test_compile_under_ddp_with_buckets_smaller_than_torchs_first_is_refused():

@@ -142,6 +142,46 @@ def test_each_broken_part_of_the_contract_is_named(tmp_path, edit, says):
     assert says in _refusal(tmp_path, edit)
 
 
+def test_under_fsdp_blocks_the_recipe_names_and_the_model_lacks_are_refused(tmp_path):
+    names = ("def model_input(batch):", "def shard_blocks(model):\n    return [nn.GRU]\n\n\ndef model_input(batch):")
+    with pytest.raises(
+        RecipeFailed,
+        match=r"shard_blocks \(job.py, line \d+\) names GRU, and the model \(Sequential\) holds none of them",
+    ):
+        _check(tmp_path, names, overrides=["scaling.strategy=fsdp"])
+    assert _check(tmp_path, names)  # under DDP the hook is not asked
+
+
+def test_fsdp_shards_a_hugging_face_models_decoder_layers_or_the_blocks_a_recipe_names():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raytrain_ddp.worker import sharding
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2
+    )
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(config)
+    plain = recipes.Recipe("r", *(lambda **_: None,) * 4)
+    assert sharding.blocks(plain, llama) == list(llama.model.layers)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    assert sharding.blocks(plain, mlp) == []  # the root alone
+    named = recipes.Recipe("r", *(lambda **_: None,) * 4, shard_blocks=lambda model: [model[0], torch.nn.ReLU])
+    assert sharding.blocks(named, mlp) == [mlp[0], mlp[1]]
+
+
+def test_a_resume_may_not_switch_the_strategy(tmp_path):
+    (tmp_path / "job.py").write_text(RECIPE)
+    config = load_config(str(tmp_path / "job.py"))
+    saved = config.to_dict()
+    del saved["scaling"]["strategy"], saved["fsdp"]  # a run started before the keys existed: DDP
+    assert resume_conflicts(saved, config) == []
+    [conflict] = resume_conflicts(saved, with_overrides(config, "scaling.strategy=fsdp"))
+    assert conflict == "scaling.strategy: was 'ddp' when the run started, now 'fsdp'; a resumed run keeps it"
+    fsdp = with_overrides(config, "scaling.strategy=fsdp")
+    assert resume_conflicts(fsdp.to_dict(), with_overrides(fsdp, "fsdp.reshard_after_forward=false")) == []
+
+
 def test_a_score_metric_the_recipe_does_not_report_is_a_config_problem(tmp_path):
     reported = _check(tmp_path).reported
     config = load_config(str(tmp_path / "job.py"), overrides=["checkpoint.score_attribute=val_accuracy"])
