@@ -44,13 +44,18 @@ def blocks(recipe: Recipe, model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(model: torch.nn.Module, recipe: Recipe, config: Config, device: torch.device) -> torch.nn.Module:
-    """`model` on `device`, each of its `blocks` sharded with `fully_shard`, then the root, in place.
+    """Each of `model`'s `blocks` sharded with `fully_shard`, then the root, in place, onto `device`.
     train.precision=bf16 gathers parameters in bf16 and reduces gradients in fsdp.reduce_dtype; the
-    sharded parameters and the optimizer stay fp32."""
+    sharded parameters and the optimizer keep the dtype the recipe built them in.
+
+    Not moved to the device first: `fully_shard` moves each block's parameters and buffers as it shards
+    them (the root's call: all that is left), so a GPU holds one whole block at a time, never the whole
+    model (a 70B model's 140 GB of bf16 weights would not fit one)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    model.to(device)
     settings = {
+        "mesh": init_device_mesh(device.type, (torch.distributed.get_world_size(),)),
         "reshard_after_forward": config.fsdp.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[config.fsdp.reduce_dtype])
         if config.train.precision == "bf16"
