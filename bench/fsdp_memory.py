@@ -6,7 +6,7 @@ most loaded worker holds, counted tensor by tensor), `peak_memory_mb` (the worke
 peak allocated on GPU), tokens/s and the validation loss (the same global batch on every side, so
 DDP and FSDP2 on as many workers train the same weights).
 
-    .venv/bin/python bench/fsdp_memory.py                        # 2 cores: 4 sides, ~5 min
+    .venv/bin/python bench/fsdp_memory.py                        # 2 cores: 4 sides, ~4 min
     .venv/bin/python bench/fsdp_memory.py --hidden 1024 --layers 16 --use-gpu --sides ddp:8 fsdp:8
 
 Writes bench/results/<machine>-fsdp-memory.{json,md}.
@@ -94,7 +94,7 @@ def run_side(chat: Path, strategy: str, workers: int, args: argparse.Namespace, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--sides", nargs="+", default=["ddp:1", "ddp:2", "fsdp:2", "fsdp:4"])
     parser.add_argument("--cpus", type=float, default=1.0, help="CPUs shared by each side's workers")

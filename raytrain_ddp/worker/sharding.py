@@ -94,13 +94,16 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     """Load a sharded checkpoint's model and optimizer state into this rank's shards, collectively:
     DCP reads each rank's part of every tensor, whatever the number of ranks that wrote them."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     weights, optimizer_state = _state_dicts(model, optimizer)
     state = {"model": weights, "optimizer": optimizer_state}
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    # Not strict: the frozen parameters are the model's own, as built. Every trained one is in `state`,
+    # which DCP filled, or it raised for what the checkpoint lacked.
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=_trained_only()
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
     )
 
 

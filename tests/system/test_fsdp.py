@@ -1,10 +1,9 @@
 """scaling.strategy=fsdp (FSDP2) end to end on a real local Ray with 2 workers (gloo): full fine-tuning
-of the tiny chat model (examples/tiny_chat.py) sharded trains the weights DDP trains, each worker
-holding half of the state; its checkpoints are every rank's shards; a worker SIGKILLed mid-epoch
-resumes from them bit for bit; a damaged shard is skipped; the run resumed on one worker reshards
-them, then registers the whole model assembled from them, which answers. (LoRA under FSDP2:
-test_chat_sft.py; the MLP, resharded: test_ddp.py; shards on S3: test_s3.py; the refusals: the unit
-tier.)
+of the tiny chat model (examples/tiny_chat.py) sharded, a worker SIGKILLed mid-epoch, trains DDP's
+weights bit for bit, each worker holding half of the state; its checkpoints are every rank's shards;
+a damaged shard is skipped; the run resumed on one worker reshards them, then registers the whole
+model assembled from them, which answers. (LoRA under FSDP2: test_chat_sft.py; the MLP, resharded:
+test_ddp.py; shards on S3: test_s3.py; the refusals: the unit tier.)
 """
 
 from __future__ import annotations
@@ -44,50 +43,52 @@ def _weights(summary, name: str = "epoch_0002") -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
+def replicated(ray_session, module_workspace, tiny_chat):
+    """The same run under DDP, never interrupted."""
+    return _run("chat_sft", module_workspace, tiny_chat, "run.name=replicated")
+
+
+# Rank 1 SIGKILLed at its 23rd micro-batch, 3 steps after the step-20 checkpoint.
+KILL = ("scaling.strategy=fsdp", "model.kill_rank=1", "model.kill_at=23", "run.max_failures=1", "run.name=sharded")
+
+
+@pytest.fixture(scope="module")
 def sharded(ray_session, module_workspace, tiny_chat):
-    return _run("chat_sft", module_workspace, tiny_chat, "scaling.strategy=fsdp", "run.name=sharded")
+    log = module_workspace.root / "faults"
+    log.mkdir()
+    return _run(FAULTS, module_workspace, tiny_chat, *KILL, f"model.fault_log={log}"), log
 
 
-def test_fsdp_trains_the_weights_ddp_trains_with_half_the_state_on_each_worker_in_shards(
-    sharded, ray_session, workspace, tiny_chat
+def test_fsdp_killed_mid_epoch_resumes_from_every_ranks_shards_to_ddps_weights_bit_for_bit_with_half_the_state(
+    sharded, replicated, record
 ):
-    replicated = _run("chat_sft", workspace, tiny_chat, "run.name=replicated")
+    """On 2 ranks FSDP2's reduce-scatter sums the same two halves DDP's all-reduce does, and AdamW updates
+    each element alike, shard or whole: FSDP2 trains DDP's weights bit for bit. A resume from the
+    shards that were not exact would not."""
+    sharded, _ = sharded
+    assert sharded.attempts == 2
+    assert "rank 1: the worker process died" in sharded.failures[0]
+    assert sharded.failures[0].endswith("restarted from epoch_0002-step_0000020"), sharded.failures[0]
     final = Path(sharded.run_path) / "epoch_0002"
     listed = json.loads((final / ckpt.MANIFEST_FILE).read_text())["files"]
     assert {name for name in listed if name.startswith(ckpt.SHARDS_DIR)} == SHARDS  # each rank's, and DCP's index
     assert not (final / ckpt.MODEL_FILE).exists()
     weights = _weights(sharded)
-    torch.testing.assert_close(weights, _weights(replicated), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights, _weights(replicated), rtol=0, atol=0)
+    assert sharded.final_metrics["train_loss"] == replicated.final_metrics["train_loss"]
     earlier = ckpt.open_verified(final.parent / "epoch_0001-step_0000010").model_state()
     assert all(not torch.equal(weights[name], earlier[name]) for name in weights)  # every parameter trains
 
     whole, half = replicated.final_metrics["model_state_mb"], sharded.final_metrics["model_state_mb"]
     print(f"parameters + gradients + AdamW state per worker: DDP {whole:.3f} MB, FSDP2 on 2 workers {half:.3f} MB")
     assert 0.45 < half / whole < 0.55
-
-
-def test_a_worker_killed_mid_epoch_resumes_from_every_ranks_shards_bit_for_bit(
-    sharded, ray_session, tiny_chat, workspace, record
-):
-    """Rank 1 SIGKILLed at step 23, 3 steps after the step-20 checkpoint: the run resumes from its
-    shards and ends with the uninterrupted run's weights, bit for bit."""
-    log = workspace.root / "faults"
-    log.mkdir()
-    kill = ("model.kill_rank=1", "model.kill_at=23", f"model.fault_log={log}", "run.max_failures=1")
-    faulted = _run(FAULTS, workspace, tiny_chat, "scaling.strategy=fsdp", *kill, "run.name=faulted")
-
-    assert faulted.attempts == 2
-    assert "rank 1: the worker process died" in faulted.failures[0]
-    assert faulted.failures[0].endswith("restarted from epoch_0002-step_0000020"), faulted.failures[0]
-    torch.testing.assert_close(_weights(faulted), _weights(sharded), rtol=0, atol=0)
-    assert faulted.final_metrics["train_loss"] == sharded.final_metrics["train_loss"]
     record(
-        "chat_sft full fine-tuning under FSDP2: worker SIGKILLed mid-epoch (max_failures=1)",
+        "chat_sft full fine-tuning under FSDP2: rank 1 SIGKILLed at step 23 (max_failures=1)",
         attempts=2,
         resumed="epoch_0002-step_0000020 (step 20), every rank's shards",
         wasted=2,
-        checkpoints=len([p for p in Path(faulted.run_path).iterdir() if p.name.startswith("epoch_")]),
-        versions="0 (mlflow.register=never)",
+        checkpoints=len([p for p in Path(sharded.run_path).iterdir() if p.name.startswith("epoch_")]),
+        versions="0 (mlflow.register=never); final weights = DDP's uninterrupted run's, atol=0",
     )
 
 
@@ -101,6 +102,7 @@ def test_a_damaged_shard_is_skipped_and_the_run_resumed_on_one_worker_reshards_a
     from the last checkpoint's shards, and answers as a chat model."""
     import mlflow
 
+    sharded, log = sharded
     run_dir = workspace.storage / "sharded"
     shutil.copytree(sharded.run_path, run_dir)
     shard = run_dir / "epoch_0002" / ckpt.SHARDS_DIR / "__1_0.distcp"
@@ -109,11 +111,11 @@ def test_a_damaged_shard_is_skipped_and_the_run_resumed_on_one_worker_reshards_a
     shard.write_bytes(bytes(data))
 
     resumed = _run(
-        "chat_sft",
+        FAULTS,  # the run's own job (its fault spent)
         workspace,
         tiny_chat,
-        "scaling.strategy=fsdp",
-        "run.name=sharded",
+        *KILL,
+        f"model.fault_log={log}",
         "scaling.num_workers=1",
         "train.grad_accum_steps=2",
         "train.epochs=3",
