@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -92,6 +93,14 @@ def run_side(chat: Path, strategy: str, workers: int, args: argparse.Namespace, 
     }
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=384)
@@ -113,11 +122,11 @@ def main() -> None:
             rows.append(run_side(chat, strategy, int(workers), args, root))
             print(json.dumps(rows[-1]), flush=True)
     whole = next((r["model_state_mb"] for r in rows if r["strategy"] == "ddp"), None)
-    cpu = platform.processor() or platform.machine()
+    cpu = _cpu_name()
     lines = [
         f"# Memory a worker holds, DDP and FSDP2: chat_sft full fine-tuning, {args.machine}",
         "",
-        f"`.venv/bin/python bench/fsdp_memory.py {' '.join(sys.argv[1:])}`: {cpu}, "
+        f"`{' '.join(['.venv/bin/python bench/fsdp_memory.py', *sys.argv[1:]])}`: {cpu}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__.split('+')[0]}. A Llama with random weights, hidden {args.hidden}, {args.layers} "
         f"layers, vocabulary 512 ({parameters / 1e6:.1f}M parameters, every one trained, AdamW), "
         f"examples/tiny_chat.py's 240 conversations, one epoch, a global batch of {GLOBAL_BATCH} conversations.",
