@@ -282,6 +282,13 @@ def _forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     # Packed rows: no KV cache, which would turn transformers' packed-sequence masks off (the driver's
     # meta model keeps its cache: the masks' test of values cannot run on meta tensors).
     packed = {} if positions is None else {"position_ids": positions, "use_cache": False}
+    if model.device.type == "meta":
+        # Gradient checkpointing turns the cache off in training, and without one transformers reads
+        # the positions' values for packed rows: an empty cache of its own keeps the meta model's masks
+        # to shapes.
+        from transformers import DynamicCache
+
+        packed["past_key_values"] = DynamicCache(config=model.config)
     none = torch.empty(0, dtype=torch.long, device=ids.device)
     last = model(input_ids=ids, logits_to_keep=none, output_hidden_states=True, **packed).hidden_states[-1]
     hidden, labels = last[:, :-1], labels[:, 1:].to(last.device)

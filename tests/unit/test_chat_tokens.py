@@ -383,3 +383,19 @@ def test_the_loss_in_chunks_of_positions_equals_the_loss_at_once_with_its_gradie
         scores = sft.evaluate(model, apart)
     torch.testing.assert_close(scores["loss"][0], loss.detach(), rtol=1e-5, atol=1e-4)
     assert int(scores["token_accuracy"][0]) == correct and int(scores["loss"][1]) == count
+
+
+@pytest.mark.parametrize("lora_r", [0, 16], ids=["full", "lora"])
+def test_pre_flight_runs_the_loss_of_the_meta_model_with_gradient_checkpointing(sft, tiny_chat, lora_r):
+    """The driver checks the recipe on the architecture alone (meta tensors), in training mode, where
+    gradient checkpointing turns transformers' cache off: the loss still takes shapes only (every
+    8-GPU config sets model.gradient_checkpointing)."""
+    from raytrain_ddp import load_config
+    from raytrain_ddp.config import recipe as recipes
+    from raytrain_ddp.preflight.recipe_check import check_recipe
+
+    settings = [f"model.path={tiny_chat / 'model'}", f"model.lora_r={lora_r}", "model.gradient_checkpointing=true"]
+    config = load_config("chat_sft", overrides=[*settings, f"dataset.path={tiny_chat / 'train.jsonl'}"])
+    ids = torch.randint(3, 100, (2, 12))
+    example = {"input_ids": ids, "labels": ids, "length": torch.tensor([12, 9])}
+    assert "val_loss" in check_recipe(config, recipes.load("chat_sft"), example).reported
