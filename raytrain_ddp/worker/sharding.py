@@ -108,18 +108,12 @@ def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The model's and the optimizer's state, as this rank's shards (DTensors), keyed by parameter name."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """The model's and the optimizer's state, as this rank's shards (DTensors), keyed by parameter name:
+    of the parameters that train (a LoRA run's adapters; the frozen base is the recipe's build_model's,
+    rebuilt on load), as checkpoint/format.py's model_weights keeps them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=_trained_only())
-
-
-def _trained_only() -> Any:
-    """What a checkpoint keeps: the parameters that train (a LoRA run's adapters; the frozen base is
-    the recipe's build_model's, rebuilt on load), as checkpoint/format.py's model_weights does."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(ignore_frozen_params=True)
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
